@@ -1,0 +1,29 @@
+# Each target sets everything up first (idempotent: seconds when nothing changed).
+#   make run  [ARGS="precision=amp epochs=3"]   the main job: python run.py with the defaults
+#   make test [PYTEST_ARGS="-k mlflow"]         the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup run test lint format bench clean
+setup:
+	bash scripts/setup.sh
+
+run: setup
+	$(PY) run.py $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: setup
+	$(PY) benchmarks/overhead.py $(ARGS)
+
+clean:
+	rm -rf .pytest_cache .ruff_cache build *.egg-info

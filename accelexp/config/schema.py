@@ -1,0 +1,186 @@
+"""Structured-config schema: every key of every config group, with its type and default.
+
+Each YAML option in `conf/<group>/` names its schema in its defaults list
+(`- /schema/<group>/<name>@_here_`), so Hydra rejects unknown keys and wrong types while
+composing, before any code of ours runs. Range checks live in `accelexp.config.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+# --- model ---------------------------------------------------------------------------------
+
+
+@dataclass
+class SimpleCNNConfig:
+    """Two conv+pool blocks then fully connected layers (Horovod's CIFAR-10 example shape)."""
+
+    name: str = "simple_cnn"
+    channels: list[int] = field(default_factory=lambda: [32, 64])
+    hidden: int = 128
+    dropout: float = 0.25
+
+
+@dataclass
+class ResNetConfig:
+    """A torchvision ResNet with its head resized to the data's classes."""
+
+    name: str = "resnet18"
+    pretrained: bool = False
+    # Replace the 7x7/2 stem and max-pool by a 3x3/1 conv for images smaller than this.
+    small_input_max_size: int = 64
+
+
+# --- data ----------------------------------------------------------------------------------
+
+
+@dataclass
+class DataConfig:
+    name: str = "fashion_mnist"
+    root: str | None = None
+    download: bool = True
+    batch_size: int = 128
+    eval_batch_size: int = 512
+    num_workers: int = 0
+    augment: bool = True
+    val_fraction: float = 0.1
+    # synthetic only: sizes of the generated sets and the image shape
+    num_train: int = 8192
+    num_test: int = 2048
+    image_size: int = 32
+    channels: int = 3
+    num_classes: int = 10
+
+
+# --- precision / parallelism --------------------------------------------------------------
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"  # fp32 | amp | bf16
+    # GradScaler settings (used only where a scaler is used: amp on CUDA)
+    init_scale: float = 65536.0
+    growth_interval: int = 2000
+
+
+@dataclass
+class ParallelismConfig:
+    name: str = "single"
+    nprocs: int = 1
+
+
+# --- optimizer -----------------------------------------------------------------------------
+
+
+@dataclass
+class SGDConfig:
+    name: str = "sgd"
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    nesterov: bool = False
+
+
+@dataclass
+class AdamWConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+# --- scheduler (stepped once per optimizer step; lengths are in epochs) --------------------
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "none"
+    warmup_epochs: float = 0.0
+    warmup_start_factor: float = 0.1
+
+
+@dataclass
+class StepLRConfig(SchedulerConfig):
+    name: str = "steplr"
+    step_size: int = 30
+    gamma: float = 0.1
+
+
+@dataclass
+class CosineConfig(SchedulerConfig):
+    name: str = "cosine"
+    min_lr_factor: float = 0.0
+
+
+@dataclass
+class OneCycleConfig(SchedulerConfig):
+    """torch's OneCycleLR; `warmup_epochs` sets its rising phase (pct_start) when > 0."""
+
+    name: str = "onecycle"
+    pct_start: float = 0.3
+    div_factor: float = 25.0
+    final_div_factor: float = 1e4
+
+
+# --- top level ----------------------------------------------------------------------------
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str = "sqlite:///outputs/mlflow.db"
+    experiment: str = "accelexp"
+    run_name: str | None = None  # None: derived from the choices, e.g. simple_cnn-single-amp
+    # None: `mlartifacts/` beside a SQLite store; the server's default for a tracking server
+    artifact_location: str | None = None
+    log_checkpoint: bool = False
+    log_system_metrics: bool = False
+
+
+@dataclass
+class Config:
+    model: Any = MISSING
+    data: Any = MISSING
+    parallelism: Any = MISSING
+    precision: Any = MISSING
+    optimizer: Any = MISSING
+    scheduler: Any = MISSING
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    seed: int = 42
+    epochs: int = 5
+    max_steps_per_epoch: int | None = None
+    target_accuracy: float | None = None
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    deterministic: bool = False
+    progress: bool = True
+    log_every_n_steps: int = 20
+
+
+SCHEMAS: dict[str, dict[str, type]] = {
+    "model": {"simple_cnn": SimpleCNNConfig, "resnet": ResNetConfig},
+    "data": {"data": DataConfig},
+    "precision": {"precision": PrecisionConfig},
+    "parallelism": {"parallelism": ParallelismConfig},
+    "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
+    "scheduler": {
+        "none": SchedulerConfig,
+        "steplr": StepLRConfig,
+        "cosine": CosineConfig,
+        "onecycle": OneCycleConfig,
+    },
+}
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, schemas in SCHEMAS.items():
+        for name, node in schemas.items():
+            cs.store(group=f"schema/{group}", name=name, node=node)

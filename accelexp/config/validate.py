@@ -1,0 +1,94 @@
+"""The checks Hydra's schema cannot express: choices and ranges, with messages a user can act on.
+
+`validate(cfg)` raises one `ConfigError` listing every problem found, each naming the key, the
+value and what is allowed, so a typo costs one run of `python run.py`, not an hour of training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from accelexp.errors import AccelexpError
+
+PRECISIONS = ("fp32", "amp", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ConfigError(AccelexpError, ValueError):
+    """A configuration value is not allowed; the message says which and what to type instead."""
+
+
+def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
+    positive = (lambda v: v > 0, "a number > 0")
+    non_negative = (lambda v: v >= 0, "a number >= 0")
+    at_least_one = (lambda v: v >= 1, "an integer >= 1")
+    optional_at_least_one = (lambda v: v is None or v >= 1, "null or an integer >= 1")
+    fraction = (lambda v: 0 <= v < 1, "a number in [0, 1)")
+    return [
+        ("epochs", *at_least_one),
+        ("max_steps_per_epoch", *optional_at_least_one),
+        ("target_accuracy", lambda v: v is None or 0 < v <= 1, "null or a number in (0, 1]"),
+        ("device", lambda v: v in DEVICES, f"one of {', '.join(DEVICES)}"),
+        ("threads", *optional_at_least_one),
+        ("log_every_n_steps", *at_least_one),
+        ("data.batch_size", *at_least_one),
+        ("data.eval_batch_size", *at_least_one),
+        ("data.num_workers", *non_negative),
+        ("data.val_fraction", *fraction),
+        ("data.num_train", *at_least_one),
+        ("data.num_test", *at_least_one),
+        ("data.image_size", lambda v: v >= 8, "an integer >= 8"),
+        ("data.channels", *at_least_one),
+        ("data.num_classes", lambda v: v >= 2, "an integer >= 2"),
+        ("precision.name", lambda v: v in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
+        ("precision.init_scale", *positive),
+        ("precision.growth_interval", *at_least_one),
+        ("parallelism.nprocs", *at_least_one),
+        ("optimizer.lr", *positive),
+        ("optimizer.weight_decay", *non_negative),
+        ("optimizer.momentum", *fraction),
+        ("optimizer.eps", *positive),
+        (
+            "optimizer.betas",
+            lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
+            "two numbers in [0, 1)",
+        ),
+        ("model.channels", lambda v: len(v) == 2 and all(c >= 1 for c in v), "two integers >= 1"),
+        ("model.hidden", *at_least_one),
+        ("model.dropout", *fraction),
+        ("scheduler.warmup_epochs", *non_negative),
+        ("scheduler.warmup_start_factor", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        ("scheduler.step_size", *at_least_one),
+        ("scheduler.gamma", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+        ("scheduler.min_lr_factor", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+        ("scheduler.pct_start", lambda v: 0 < v < 1, "a number in (0, 1)"),
+        ("scheduler.div_factor", *positive),
+        ("scheduler.final_div_factor", *positive),
+    ]
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise `ConfigError` naming every out-of-range value of a composed config."""
+    problems = []
+    for key, ok, allowed in _rules():
+        value = OmegaConf.select(cfg, key, default="__absent__")
+        if value == "__absent__":  # the chosen group option has no such key
+            continue
+        if isinstance(value, DictConfig | list) or OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value)
+        if not ok(value):
+            problems.append(f"  {key}={value!r} is not allowed: expected {allowed}.")
+    if cfg.scheduler.warmup_epochs >= cfg.epochs and cfg.scheduler.warmup_epochs > 0:
+        problems.append(
+            f"  scheduler.warmup_epochs={cfg.scheduler.warmup_epochs} must be shorter than "
+            f"epochs={cfg.epochs}."
+        )
+    if problems:
+        raise ConfigError(
+            "Invalid configuration:\n" + "\n".join(problems) + "\n"
+            "Fix the override(s) above, e.g. `python run.py data.batch_size=128`; "
+            "`python run.py --cfg job` prints the composed config."
+        )

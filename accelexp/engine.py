@@ -1,0 +1,143 @@
+"""The training loop: epochs of train and evaluate, knowing only the component interfaces.
+
+`Trainer` sees a `Strategy` (where the work runs, how ranks agree), a `Precision` (autocast and
+loss scaling) and a plain optimizer and scheduler. Per-step work is the forward pass, backward
+pass, optimizer and scheduler step and two on-device additions for the epoch's loss and accuracy;
+the host reads numbers back only every `log_every` steps for the progress bar, and at the end of
+the epoch, once, summed over all ranks.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from accelexp.data import BatchLoader
+from accelexp.parallel.base import Strategy
+from accelexp.precision import Precision
+
+
+@dataclass
+class EpochResult:
+    loss: float
+    accuracy: float
+    samples: int  # over all ranks
+    seconds: float
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA's peak allocated memory since the last reset, or the process's peak RSS on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        precision: Precision,
+        strategy: Strategy,
+        max_steps_per_epoch: int | None = None,
+        log_every: int = 20,
+        progress: bool = True,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.precision = precision
+        self.strategy = strategy
+        self.device = strategy.device
+        self.max_steps = max_steps_per_epoch
+        self.log_every = log_every
+        self.progress = progress and strategy.is_main
+
+    def steps_per_epoch(self, loader: BatchLoader) -> int:
+        return min(len(loader), self.max_steps) if self.max_steps else len(loader)
+
+    def _sum_over_ranks(self, *values: torch.Tensor | float) -> list[float]:
+        stacked = torch.stack(
+            [torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values]
+        )
+        return self.strategy.reduce_sum(stacked).tolist()
+
+    def train_epoch(self, loader: BatchLoader, epoch: int) -> EpochResult:
+        self.model.train()
+        loader.set_epoch(epoch)
+        steps = self.steps_per_epoch(loader)
+        loss_sum = torch.zeros((), device=self.device)
+        correct = torch.zeros((), dtype=torch.long, device=self.device)
+        seen = 0
+        bar = tqdm(
+            total=steps,
+            desc=f"epoch {epoch}",
+            disable=not self.progress,
+            leave=False,
+            mininterval=0.5,
+        )
+        synchronize(self.device)
+        start = time.perf_counter()
+        for step, (images, labels) in enumerate(loader):
+            if step == steps:
+                break
+            with self.precision.autocast():
+                logits = self.model(images)
+                loss = F.cross_entropy(logits, labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.precision.backward(loss)
+            self.strategy.optimizer_step(self.optimizer, self.precision)
+            self.scheduler.step()
+            loss_sum += loss.detach() * len(labels)
+            correct += (logits.argmax(1) == labels).sum()
+            seen += len(labels)
+            bar.update()
+            if self.progress and (step + 1) % self.log_every == 0:
+                elapsed = time.perf_counter() - start
+                bar.set_postfix(
+                    loss=f"{loss_sum.item() / seen:.4f}",
+                    acc=f"{correct.item() / seen:.4f}",
+                    img_s=f"{seen * self.strategy.world_size / elapsed:.0f}",
+                    refresh=False,
+                )
+        synchronize(self.device)
+        seconds = time.perf_counter() - start
+        bar.close()
+        total_loss, total_correct, total_seen = self._sum_over_ranks(loss_sum, correct, seen)
+        # the slowest rank sets the pace of a synchronous step
+        seconds = self.strategy.reduce_max(torch.tensor(seconds, device=self.device)).item()
+        return EpochResult(
+            total_loss / total_seen, total_correct / total_seen, int(total_seen), seconds
+        )
+
+    @torch.no_grad()
+    def evaluate(self, loader: BatchLoader) -> tuple[float, float]:
+        """(loss, accuracy) over the whole set: each rank's share, summed over ranks."""
+        self.model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct = torch.zeros((), dtype=torch.long, device=self.device)
+        seen = 0
+        for images, labels in loader:
+            with self.precision.autocast():
+                logits = self.model(images)
+            loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
+            correct += (logits.argmax(1) == labels).sum()
+            seen += len(labels)
+        total_loss, total_correct, total_seen = self._sum_over_ranks(loss_sum, correct, seen)
+        return total_loss / total_seen, total_correct / total_seen

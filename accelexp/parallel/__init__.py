@@ -1,0 +1,25 @@
+"""Ways of splitting training work, one module each, behind `accelexp.parallel.base.Strategy`.
+
+`build_strategy(cfg)` imports the chosen module lazily, so torch.distributed and Horovod are
+imported only by the runs that use them.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from omegaconf import DictConfig
+
+from accelexp.parallel.base import Strategy
+
+STRATEGIES = {"single": "accelexp.parallel.single:SingleDevice"}
+
+
+def build_strategy(cfg: DictConfig) -> Strategy:
+    name = cfg.parallelism.name
+    if name not in STRATEGIES:
+        raise ValueError(
+            f"parallelism.name={name!r} is unknown: expected one of {sorted(STRATEGIES)}"
+        )
+    module, cls = STRATEGIES[name].split(":")
+    return getattr(importlib.import_module(module), cls)(cfg.parallelism, cfg.device)

@@ -1,0 +1,98 @@
+"""The one interface every way of splitting work implements, and the device it runs on.
+
+The training loop talks to a `Strategy` only: it wraps the model and optimizer, chooses which
+samples this process sees, steps the optimizer, and sums numbers across processes. A new strategy
+is a new module in this folder; nothing outside it asks which strategy is running.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+from torch.utils.data import RandomSampler, Sampler, SequentialSampler
+
+from accelexp.errors import AccelexpError
+from accelexp.precision import Precision
+
+
+def resolve_device(request: str, local_rank: int = 0) -> torch.device:
+    """`auto`: this process's GPU when CUDA is usable, else the CPU; `cuda` without one: error."""
+    if request == "cpu":
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if request == "cuda":
+        raise AccelexpError(
+            "device=cuda was asked for, but no CUDA GPU is usable here; "
+            "use device=cpu or device=auto."
+        )
+    return torch.device("cpu")
+
+
+class Strategy:
+    """One process, one device. Subclasses override what differs for their world."""
+
+    name = "single"
+
+    def __init__(self, cfg: DictConfig, device: str = "auto") -> None:
+        self.cfg = cfg
+        self.device_request = device
+        self.world_size = 1
+        self.rank = 0
+        self.local_rank = 0
+        self.device = torch.device("cpu")
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def setup(self) -> None:
+        self.device = resolve_device(self.device_request, self.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def teardown(self) -> None:
+        pass
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def describe(self) -> dict[str, int | str]:
+        """Facts about the world that are logged with the run."""
+        return {"world_size": self.world_size, "device_type": self.device.type}
+
+    # --- model and optimizer ----------------------------------------------------------------
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return model.to(self.device)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module, e.g. for saving a checkpoint that loads anywhere."""
+        return model
+
+    def scale_lr(self, lr: float) -> float:
+        return lr
+
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module
+    ) -> torch.optim.Optimizer:
+        return optimizer
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
+        precision.step(optimizer)
+
+    # --- data --------------------------------------------------------------------------------
+    def train_sampler(self, num_samples: int, seed: int) -> Sampler[int]:
+        return RandomSampler(range(num_samples), generator=torch.Generator().manual_seed(seed))
+
+    def eval_sampler(self, num_samples: int) -> Sampler[int]:
+        """This process's share of an evaluation set: every sample exactly once over all ranks."""
+        return SequentialSampler(range(num_samples))
+
+    # --- collectives -------------------------------------------------------------------------
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        pass

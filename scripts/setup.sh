@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Set up everything accelexp needs, on a fresh machine or again on a set-up one (then in seconds):
+#   1. Debian's dataset-fashion-mnist (the real data of the default run), when apt is usable;
+#   2. a virtual environment at .venv with torch/torchvision and the project (editable, +dev);
+#   3. Horovod, compiled against that torch once and cached as a wheel (scripts/build_horovod.sh).
+# Re-running skips every step whose result is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+# The torch build this project is tested with; `pip install` takes both from this machine's disk.
+TORCH_SPEC=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
+say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+
+# 1. System packages (root + apt only; elsewhere data.download or data.root must provide the data)
+apt_packages=(dataset-fashion-mnist)
+missing=()
+for pkg in "${apt_packages[@]}"; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    say "installing Debian packages: ${missing[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    say "not root or no apt: skipping ${missing[*]} (Fashion-MNIST will be downloaded or read from data.root)"
+  fi
+fi
+
+# 2. Virtual environment, torch, and the project
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
+fi
+pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+
+wanted_torch=$(sed -n 's/.*torch==\([^ ]*\).*/\1/p' <<<"$TORCH_SPEC")
+have_torch=$("$VENV/bin/python" -c 'import torch, torchvision; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+if [ "$have_torch" != "$wanted_torch" ]; then
+  say "installing $TORCH_SPEC"
+  # shellcheck disable=SC2086
+  pip_install $TORCH_SPEC
+fi
+
+stamp="$VENV/.accelexp-setup"
+digest=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$digest" ]; then
+  say "installing accelexp and its dependencies"
+  pip_install -e ".[dev]"
+  echo "$digest" >"$stamp"
+fi
+
+# 3. Horovod (built against the torch above; cached)
+if [ -x scripts/build_horovod.sh ]; then
+  bash scripts/build_horovod.sh "$VENV"
+fi
+say "ready: $("$VENV/bin/python" -c 'import torch, accelexp; print("torch", torch.__version__, "| accelexp", accelexp.__version__)')"
