@@ -15,6 +15,8 @@ import torch
 from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
+from accelexp.config import ConfigError
+
 
 def build_optimizer(
     cfg: DictConfig, params: Iterable[torch.nn.Parameter], lr: float
@@ -32,7 +34,7 @@ def build_optimizer(
         return torch.optim.AdamW(
             params, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
         )
-    raise ValueError(f"optimizer.name={cfg.name!r} is unknown: expected sgd or adamw")
+    raise ConfigError(f"optimizer.name={cfg.name!r} is unknown: expected sgd or adamw")
 
 
 def lr_factor(cfg: DictConfig, steps_per_epoch: int, epochs: int) -> Callable[[int], float]:
@@ -67,10 +69,10 @@ def build_scheduler(
             pct_start=pct_start,
             div_factor=cfg.div_factor,
             final_div_factor=cfg.final_div_factor,
-            cycle_momentum="momentum" in optimizer.defaults or "betas" in optimizer.defaults,
+            cycle_momentum=False,  # keep optimizer.momentum / betas as configured
         )
     if cfg.name in ("steplr", "cosine", "none"):
         return LambdaLR(optimizer, lr_factor(cfg, steps_per_epoch, epochs))
-    raise ValueError(
+    raise ConfigError(
         f"scheduler.name={cfg.name!r} is unknown: expected steplr, cosine, onecycle or none"
     )

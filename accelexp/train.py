@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from accelexp.config import validate
+from accelexp.config import ConfigError, validate
 from accelexp.data import BatchLoader, DataBundle, build_data
 from accelexp.engine import Trainer, peak_memory_mb
 from accelexp.models import build_model
@@ -70,6 +70,12 @@ def make_loaders(
         BatchLoader(split, cfg.data.eval_batch_size, strategy.eval_sampler(len(split)), **common)
         for split in (data.val, data.test)
     )
+    if len(train) == 0:
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size} is larger than this rank's share of the "
+            f"training set ({len(train.sampler)} samples): no full batch can be formed. "
+            f"Use a smaller data.batch_size."
+        )
     return train, val, test
 
 
@@ -137,8 +143,8 @@ def _run(
         "host": platform.node(),
     }
     tracker.start(run_name, params, tags)
-    _log_run_files(tracker, output_dir, resolved)
     try:
+        _log_run_files(tracker, output_dir, resolved)
         metrics = _fit(
             cfg, output_dir, trainer, tracker, train_loader, val_loader, test_loader, resolved
         )

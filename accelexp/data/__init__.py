@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from omegaconf import DictConfig
 
+from accelexp.config import ConfigError
 from accelexp.data.images import BatchLoader, DataBundle, ImageSet
 from accelexp.data.sources import (
     DatasetNotFoundError,
@@ -27,7 +28,7 @@ __all__ = ["BatchLoader", "DataBundle", "DatasetNotFoundError", "ImageSet", "bui
 def build_data(cfg: DictConfig, seed: int) -> DataBundle:
     """Load the dataset, hold out `val_fraction` of train (seeded) for validation."""
     if cfg.name not in SOURCES:
-        raise ValueError(f"data.name={cfg.name!r} is unknown: expected one of {sorted(SOURCES)}")
+        raise ConfigError(f"data.name={cfg.name!r} is unknown: expected one of {sorted(SOURCES)}")
     train, test = SOURCES[cfg.name](cfg)
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed))
     n_val = int(len(train) * cfg.val_fraction)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from accelexp.config import ConfigError
 from accelexp.models.resnet import build_resnet
 from accelexp.models.simple_cnn import SimpleCNN
 
@@ -26,5 +27,5 @@ MODELS: dict[str, Builder] = {
 
 def build_model(cfg: DictConfig, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
     if cfg.name not in MODELS:
-        raise ValueError(f"model.name={cfg.name!r} is unknown: expected one of {sorted(MODELS)}")
+        raise ConfigError(f"model.name={cfg.name!r} is unknown: expected one of {sorted(MODELS)}")
     return MODELS[cfg.name](cfg, in_channels, num_classes, image_size)

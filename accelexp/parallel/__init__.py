@@ -10,6 +10,7 @@ import importlib
 
 from omegaconf import DictConfig
 
+from accelexp.config import ConfigError
 from accelexp.parallel.base import Strategy
 
 STRATEGIES = {"single": "accelexp.parallel.single:SingleDevice"}
@@ -18,7 +19,7 @@ STRATEGIES = {"single": "accelexp.parallel.single:SingleDevice"}
 def build_strategy(cfg: DictConfig) -> Strategy:
     name = cfg.parallelism.name
     if name not in STRATEGIES:
-        raise ValueError(
+        raise ConfigError(
             f"parallelism.name={name!r} is unknown: expected one of {sorted(STRATEGIES)}"
         )
     module, cls = STRATEGIES[name].split(":")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig
-from torch.utils.data import RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import DistributedSampler, Sampler
 
 from accelexp.errors import AccelexpError
 from accelexp.precision import Precision
@@ -28,6 +28,19 @@ def resolve_device(request: str, local_rank: int = 0) -> torch.device:
             "use device=cpu or device=auto."
         )
     return torch.device("cpu")
+
+
+class ShardSampler(Sampler[int]):
+    """Indices rank, rank + world, rank + 2 * world, ... of range(num_samples), in order."""
+
+    def __init__(self, num_samples: int, world_size: int, rank: int) -> None:
+        self.indices = range(rank, num_samples, world_size)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
 
 
 class Strategy:
@@ -81,11 +94,23 @@ class Strategy:
 
     # --- data --------------------------------------------------------------------------------
     def train_sampler(self, num_samples: int, seed: int) -> Sampler[int]:
-        return RandomSampler(range(num_samples), generator=torch.Generator().manual_seed(seed))
+        """A shuffled shard per rank, reshuffled by `set_epoch`.
+
+        Every strategy, one process included, draws from the same seeded permutation, so a run
+        on N workers with batch B sees, step by step, the same samples as one process with
+        batch N*B: the property the data-parallel correctness tests check.
+        """
+        return DistributedSampler(
+            range(num_samples),
+            num_replicas=self.world_size,
+            rank=self.rank,
+            shuffle=True,
+            seed=seed,
+        )
 
     def eval_sampler(self, num_samples: int) -> Sampler[int]:
-        """This process's share of an evaluation set: every sample exactly once over all ranks."""
-        return SequentialSampler(range(num_samples))
+        """This rank's share of an evaluation set: each sample once over all ranks, no padding."""
+        return ShardSampler(num_samples, self.world_size, self.rank)
 
     # --- collectives -------------------------------------------------------------------------
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

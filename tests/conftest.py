@@ -1,0 +1,111 @@
+"""Shared fixtures: Hydra-composed configs that run tiny and track into a private SQLite store.
+
+`compose_cfg(*overrides)` composes `conf/config.yaml` with Hydra's compose API, the way `run.py`
+does, on top of defaults that make a run take about a second on one CPU thread (synthetic 16px
+data, 3 steps per epoch, one epoch) and that point MLflow at `<tmp_path>/mlflow.db`. Any default
+is dropped when the test overrides the same key.
+
+Creating an MLflow SQLite store runs all of MLflow's schema migrations (seconds). The session
+migrates one empty store once and each test gets its own byte copy of it, so every test still
+writes into a store of its own and none sees another's runs.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from mlflow import MlflowClient
+from mlflow.entities import Run
+from omegaconf import DictConfig, OmegaConf
+
+from accelexp.config import register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO / "conf"
+
+# A run of about a second: 230 synthetic training images of 16x16, three steps of 32.
+TINY_DATA = (
+    "data.num_train=256",
+    "data.num_test=128",
+    "data.batch_size=32",
+    "data.image_size=16",
+)
+TINY_RUN = ("progress=false", "epochs=1", "max_steps_per_epoch=3", "threads=1")
+
+
+def group_options() -> list[tuple[str, str]]:
+    """Every (group, option) pair found as `conf/<group>/<option>.yaml`."""
+    return sorted(
+        (group.name, option.stem)
+        for group in CONF_DIR.iterdir()
+        if group.is_dir()
+        for option in group.glob("*.yaml")
+    )
+
+
+def primary_groups() -> list[str]:
+    """The groups `conf/config.yaml` chooses an option of by default (model, data, ...)."""
+    defaults = OmegaConf.load(CONF_DIR / "config.yaml").defaults
+    return [next(iter(entry)) for entry in defaults if isinstance(entry, DictConfig)]
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def compose_config(tracking_uri: str, *overrides: str) -> DictConfig:
+    """Compose the run config with Hydra's compose API; tiny defaults unless overridden."""
+    register_configs()
+    given = {_key(o) for o in overrides}
+    defaults = [f"mlflow.tracking_uri={tracking_uri}", *TINY_RUN]
+    if "data" not in given:  # the tiny sizes only make sense for the synthetic set
+        defaults += ["data=synthetic", *TINY_DATA]
+    defaults = [d for d in defaults if _key(d) not in given]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=[*defaults, *overrides])
+
+
+@pytest.fixture(scope="session")
+def mlflow_template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty, fully migrated MLflow SQLite store, copied (never used) by each test."""
+    path = tmp_path_factory.mktemp("mlflow-template") / "mlflow.db"
+    MlflowClient(tracking_uri=f"sqlite:///{path}").search_experiments()
+    return path
+
+
+def new_store(directory: Path, template: Path) -> str:
+    """A fresh MLflow store in `directory`; returns its tracking URI."""
+    directory.mkdir(parents=True, exist_ok=True)
+    db = directory / "mlflow.db"
+    shutil.copyfile(template, db)
+    return f"sqlite:///{db}"
+
+
+@pytest.fixture
+def tracking_uri(tmp_path: Path, mlflow_template_db: Path) -> str:
+    """This test's own MLflow store: `sqlite:///<tmp_path>/mlflow.db`."""
+    return new_store(tmp_path, mlflow_template_db)
+
+
+@pytest.fixture
+def compose_cfg(tracking_uri: str) -> Callable[..., DictConfig]:
+    """`compose_cfg("precision=amp", "epochs=2")` -> a composed, tiny, tracked-to-tmp config."""
+
+    def _compose(*overrides: str) -> DictConfig:
+        return compose_config(tracking_uri, *overrides)
+
+    return _compose
+
+
+def only_run(tracking_uri: str, experiment: str = "accelexp") -> Run:
+    """The single run of `experiment` in the store, read back with a fresh client."""
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = client.get_experiment_by_name(experiment)
+    assert found is not None, f"no MLflow experiment {experiment!r} in {tracking_uri}"
+    runs = client.search_runs([found.experiment_id])
+    assert len(runs) == 1, f"expected one run, found {len(runs)}"
+    return runs[0]

@@ -1,0 +1,133 @@
+"""`python run.py` with bad input: a non-zero exit and a message a user can act on, no traceback.
+
+Each case fails before any training, so each subprocess costs only Python's and torch's start.
+Hydra's job folder goes to tmp, and a run that gets as far as the tracker uses a tmp store.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, group_options, new_store, primary_groups
+
+
+def run_cli(*args: str, tmp_path: Path | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "MLFLOW_"))}
+    extra = [f"hydra.run.dir={tmp_path / 'job'}"] if tmp_path is not None else []
+    return subprocess.run(
+        [sys.executable, "run.py", *args, *extra],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def output_of(result: subprocess.CompletedProcess) -> str:
+    return result.stdout + result.stderr
+
+
+def assert_clean_failure(result: subprocess.CompletedProcess) -> str:
+    text = output_of(result)
+    assert result.returncode != 0, text
+    assert "Traceback" not in text, text
+    return text
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def help_text() -> str:
+    result = run_cli("--help")
+    text = output_of(result)
+    assert result.returncode == 0, text
+    assert "Traceback" not in text
+    return text
+
+
+def test_help_lists_every_group_and_option(help_text):
+    for group in primary_groups():
+        assert f"{group}:" in help_text, f"--help does not list the group {group}"
+        for option in (o for g, o in group_options() if g == group):
+            assert option in help_text, f"--help does not list {group}={option}"
+
+
+def test_help_lists_the_add_on_groups_too(help_text):
+    """conf/experiment/ and any other group outside the defaults list (`+experiment=...`)."""
+    for group, option in group_options():
+        if group not in primary_groups():
+            assert option in help_text, f"--help does not list +{group}={option}"
+
+
+def test_unknown_key(tmp_path):
+    text = assert_clean_failure(run_cli("model.foo=1", tmp_path=tmp_path))
+    assert "model.foo" in text
+
+
+def test_unknown_group_option_lists_the_available_ones(tmp_path):
+    text = assert_clean_failure(run_cli("model=foo", tmp_path=tmp_path))
+    assert "model/foo" in text or "model=foo" in text
+    assert "Available options" in text
+    for group, option in group_options():
+        if group == "model":
+            assert option in text
+
+
+def test_wrong_type(tmp_path):
+    text = assert_clean_failure(run_cli("epochs=abc", tmp_path=tmp_path))
+    assert "epochs" in text
+    assert "abc" in text
+
+
+def test_out_of_range_value_exits_2_and_names_the_key(tmp_path):
+    result = run_cli(
+        "data.batch_size=0",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        tmp_path=tmp_path,
+    )
+    text = assert_clean_failure(result)
+    assert result.returncode == 2, text
+    assert "data.batch_size=0" in text
+
+
+def test_unreachable_tracking_server_exits_2(tmp_path):
+    uri = f"http://127.0.0.1:{free_port()}"
+    result = run_cli(f"mlflow.tracking_uri={uri}", "data=synthetic", tmp_path=tmp_path)
+    text = assert_clean_failure(result)
+    assert result.returncode == 2, text
+    assert "unreachable" in text
+    assert uri in text
+    assert "mlflow.tracking_uri" in text  # what to change
+
+
+@pytest.fixture
+def tmp_store(tmp_path, mlflow_template_db) -> str:
+    return new_store(tmp_path / "store", mlflow_template_db)
+
+
+def test_missing_dataset_exits_2_and_says_what_to_do(tmp_path, tmp_store):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run_cli(
+        "data=cifar10",
+        f"data.root={empty}",
+        "data.download=false",
+        f"mlflow.tracking_uri={tmp_store}",
+        "progress=false",
+        tmp_path=tmp_path,
+    )
+    text = assert_clean_failure(result)
+    assert result.returncode == 2, text
+    assert "CIFAR-10" in text
+    assert str(empty) in text
+    assert "data.download=true" in text or "data.root" in text

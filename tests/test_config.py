@@ -1,0 +1,112 @@
+"""Every config group option composes and validates; bad values are named in ConfigError."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import CONF_DIR, group_options, primary_groups
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from accelexp.config import ConfigError, register_configs, validate
+
+EXPECTED_OPTIONS = {
+    "model": {"simple_cnn", "resnet18", "resnet50"},
+    "data": {"fashion_mnist", "cifar10", "synthetic"},
+    "parallelism": {"single"},
+    "precision": {"fp32", "amp", "bf16"},
+    "optimizer": {"sgd", "adamw"},
+    "scheduler": {"cosine", "steplr", "onecycle", "none"},
+}
+
+
+def test_the_discovered_options_include_the_documented_ones():
+    found: dict[str, set[str]] = {}
+    for group, option in group_options():
+        found.setdefault(group, set()).add(option)
+    for group, options in EXPECTED_OPTIONS.items():
+        assert options <= found.get(group, set()), f"conf/{group}/ lacks {options - found[group]}"
+    assert set(EXPECTED_OPTIONS) <= set(primary_groups())
+
+
+@pytest.mark.parametrize(("group", "option"), group_options())
+def test_every_group_option_composes_and_validates(compose_cfg, group, option):
+    if group in primary_groups():
+        cfg = compose_cfg(f"{group}={option}")
+        assert cfg[group].name == option, (
+            f"conf/{group}/{option}.yaml names itself {cfg[group].name}"
+        )
+    else:  # an add-on group such as experiment/: composed as written, on the plain defaults
+        register_configs()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=[f"+{group}={option}"])
+    validate(cfg)
+    OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # nothing left unset
+
+
+def test_the_defaults_validate(compose_cfg):
+    validate(compose_cfg())  # the tiny defaults of the fixture
+    cfg = compose_cfg("data=fashion_mnist", "epochs=5", "max_steps_per_epoch=null")
+    validate(cfg)
+
+
+def test_the_plain_defaults_are_the_documented_ones():
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config")
+    choices = {group: cfg[group].name for group in EXPECTED_OPTIONS}
+    assert choices == {
+        "model": "simple_cnn",
+        "data": "fashion_mnist",
+        "parallelism": "single",
+        "precision": "fp32",
+        "optimizer": "sgd",
+        "scheduler": "cosine",
+    }
+    validate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "value"),
+    [
+        ("data.batch_size=0", "data.batch_size", "0"),
+        ("optimizer.lr=-1", "optimizer.lr", "-1"),
+        ("epochs=0", "epochs", "0"),
+        ("device=tpu", "device", "tpu"),
+        ("precision.name=fp8", "precision.name", "fp8"),
+        ("target_accuracy=1.5", "target_accuracy", "1.5"),
+        ("data.val_fraction=1.0", "data.val_fraction", "1.0"),
+        ("optimizer=adamw optimizer.betas=[0.9,1.5]", "optimizer.betas", "1.5"),
+        ("scheduler=steplr scheduler.gamma=0", "scheduler.gamma", "0"),
+    ],
+)
+def test_validate_names_the_bad_key_and_value(compose_cfg, override, key, value):
+    cfg = compose_cfg(*override.split())
+    with pytest.raises(ConfigError) as caught:
+        validate(cfg)
+    message = str(caught.value)
+    assert f"{key}=" in message
+    line = next(line for line in message.splitlines() if f"{key}=" in line)
+    assert value in line, f"the value {value} is not named: {line!r}"
+    assert "expected" in line  # and what is allowed instead
+
+
+def test_validate_lists_every_problem_at_once(compose_cfg):
+    cfg = compose_cfg("data.batch_size=0", "epochs=0", "device=tpu")
+    with pytest.raises(ConfigError) as caught:
+        validate(cfg)
+    message = str(caught.value)
+    for key in ("data.batch_size=0", "epochs=0", "device='tpu'"):
+        assert key in message
+
+
+def test_warmup_must_be_shorter_than_the_run(compose_cfg):
+    cfg = compose_cfg("epochs=2", "scheduler.warmup_epochs=2")
+    with pytest.raises(ConfigError, match=r"scheduler\.warmup_epochs=2"):
+        validate(cfg)
+    validate(compose_cfg("epochs=2", "scheduler.warmup_epochs=1"))
+
+
+def test_config_error_is_an_accelexp_error():
+    from accelexp.errors import AccelexpError
+
+    assert issubclass(ConfigError, AccelexpError)

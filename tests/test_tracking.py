@@ -1,0 +1,178 @@
+"""What a run leaves in MLflow, read back from its SQLite store with a fresh MlflowClient."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+from conftest import compose_config, new_store, only_run
+from mlflow import MlflowClient
+from omegaconf import OmegaConf
+
+from accelexp.engine import Trainer
+from accelexp.tracking import MAX_PARAM_VALUE, Tracker, flatten
+from accelexp.train import run
+
+EPOCH_METRICS = (
+    "train_loss",
+    "train_acc",
+    "val_loss",
+    "val_acc",
+    "lr",
+    "epoch_time_s",
+    "samples_per_s",
+    "samples_per_s_per_device",
+    "peak_mem_mb",
+)
+OVERRIDES = ["epochs=2", "target_accuracy=0.05", "mlflow.log_checkpoint=true"]
+
+
+@pytest.fixture(scope="module")
+def tracked(tmp_path_factory, mlflow_template_db):
+    """Two uncapped epochs on 460 synthetic images, a low target and the checkpoint logged."""
+    home = tmp_path_factory.mktemp("tracked")
+    uri = new_store(home, mlflow_template_db)
+    cfg = compose_config(uri, "data.num_train=512", "max_steps_per_epoch=null", *OVERRIDES)
+    metrics = run(cfg, home / "out", OVERRIDES)
+    client = MlflowClient(tracking_uri=uri)
+    return cfg, metrics, client, only_run(uri)
+
+
+def test_run_finishes_with_the_default_name(tracked):
+    _, _, _, mlrun = tracked
+    assert mlrun.info.status == "FINISHED"
+    assert mlrun.info.run_name == "simple_cnn-single-fp32"
+    assert mlrun.info.end_time is not None
+
+
+def test_params_are_the_flattened_config_and_the_world(tracked):
+    cfg, _, _, mlrun = tracked
+    params = mlrun.data.params
+    assert params["optimizer.lr"] == "0.1"
+    assert params["data.batch_size"] == "32"
+    assert params["model.channels"] == "[32, 64]"
+    assert params["epochs"] == "2"
+    assert params["world_size"] == "1"
+    assert params["device_type"] == "cpu"
+    assert params["torch_version"] == torch.__version__
+    resolved = flatten(OmegaConf.to_container(cfg, resolve=True))
+    assert {k: params.get(k) for k in resolved} == resolved  # every config key, as logged
+
+
+def test_tags_say_what_was_compared(tracked):
+    _, _, _, mlrun = tracked
+    tags = mlrun.data.tags
+    assert tags["parallelism"] == "single"
+    assert tags["precision"] == "fp32"
+    assert tags["model"] == "simple_cnn"
+    assert tags["data"] == "synthetic"
+    assert tags["overrides"] == " ".join(OVERRIDES)
+
+
+def test_one_value_per_epoch_for_each_epoch_metric(tracked):
+    _, _, client, mlrun = tracked
+    for key in EPOCH_METRICS:
+        history = client.get_metric_history(mlrun.info.run_id, key)
+        assert sorted(m.step for m in history) == [1, 2], key
+        assert all(math.isfinite(m.value) for m in history), key
+    for key in ("train_acc", "val_acc"):
+        assert all(0 <= m.value <= 1 for m in client.get_metric_history(mlrun.info.run_id, key))
+    for key in ("epoch_time_s", "samples_per_s", "peak_mem_mb"):
+        assert all(m.value > 0 for m in client.get_metric_history(mlrun.info.run_id, key))
+    samples = mlrun.data.metrics
+    assert samples["samples_per_s_per_device"] == pytest.approx(samples["samples_per_s"])
+
+
+def test_final_metrics_match_what_run_returned(tracked):
+    _, metrics, _, mlrun = tracked
+    logged = mlrun.data.metrics
+    for key in ("best_val_acc", "test_acc", "test_loss", "total_time_s", "time_to_target_s"):
+        assert key in logged, key
+        assert logged[key] == pytest.approx(metrics[key]), key
+    assert 0 <= logged["time_to_target_s"] <= logged["total_time_s"]
+    assert logged["best_val_acc"] >= 0.05  # the target of 0.05 was reached
+
+
+def test_artifacts_hold_the_resolved_config_and_the_checkpoint(tracked, tmp_path):
+    cfg, _, client, mlrun = tracked
+    run_id = mlrun.info.run_id
+    paths = {a.path for a in client.list_artifacts(run_id)}
+    assert "config_resolved.yaml" in paths
+    config_file = client.download_artifacts(run_id, "config_resolved.yaml", str(tmp_path))
+    with open(config_file) as f:
+        assert yaml.safe_load(f) == OmegaConf.to_container(cfg, resolve=True)
+    assert "checkpoints/best.pt" in {a.path for a in client.list_artifacts(run_id, "checkpoints")}
+    best = client.download_artifacts(run_id, "checkpoints/best.pt", str(tmp_path))
+    state = torch.load(best, weights_only=True)
+    assert state["val_acc"] == pytest.approx(mlrun.data.metrics["best_val_acc"])
+
+
+def test_no_target_no_checkpoint_and_a_chosen_name(compose_cfg, tracking_uri, tmp_path):
+    cfg = compose_cfg("target_accuracy=null", "mlflow.run_name=my-run", "mlflow.experiment=other")
+    metrics = run(cfg, tmp_path / "out")
+    mlrun = only_run(tracking_uri, "other")
+    assert mlrun.info.run_name == "my-run"
+    assert "time_to_target_s" not in mlrun.data.metrics
+    assert "time_to_target_s" not in metrics
+    assert "test_acc" in mlrun.data.metrics
+    client = MlflowClient(tracking_uri=tracking_uri)
+    assert client.list_artifacts(mlrun.info.run_id, "checkpoints") == []
+    assert (tmp_path / "out" / "checkpoints" / "best.pt").is_file()  # kept on disk all the same
+
+
+def test_a_crash_mid_training_fails_the_run_and_keeps_earlier_metrics(
+    compose_cfg, tracking_uri, tmp_path, monkeypatch
+):
+    train_epoch = Trainer.train_epoch
+
+    def crash_in_epoch_2(self, loader, epoch):
+        if epoch == 2:
+            raise RuntimeError("injected failure in epoch 2")
+        return train_epoch(self, loader, epoch)
+
+    monkeypatch.setattr(Trainer, "train_epoch", crash_in_epoch_2)
+    cfg = compose_cfg("epochs=3")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run(cfg, tmp_path / "out")
+    mlrun = only_run(tracking_uri)
+    assert mlrun.info.status == "FAILED"
+    assert mlrun.info.end_time is not None
+    client = MlflowClient(tracking_uri=tracking_uri)
+    for key in EPOCH_METRICS:
+        assert [m.step for m in client.get_metric_history(mlrun.info.run_id, key)] == [1], key
+    assert "test_acc" not in mlrun.data.metrics
+
+
+def test_flatten_nests_keys_and_truncates_long_values():
+    flat = flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "long": "x" * 10_000, "none": None})
+    assert flat == {"a.b": "1", "a.c.d": "[1, 2]", "long": "x" * MAX_PARAM_VALUE, "none": "None"}
+    assert MAX_PARAM_VALUE == 6000
+
+
+def test_more_params_than_one_mlflow_batch_and_long_values(compose_cfg, tracking_uri):
+    cfg = compose_cfg()
+    tracker = Tracker(cfg.mlflow)
+    tracker.connect()
+    params = {f"p.{i:03d}": i for i in range(250)}
+    params["long"] = "y" * 9000
+    tracker.start("many-params", params, {"purpose": "test"})
+    tracker.end()
+    mlrun = only_run(tracking_uri)
+    logged = mlrun.data.params
+    assert len(logged) == 251
+    assert logged["p.249"] == "249"
+    assert logged["long"] == "y" * MAX_PARAM_VALUE
+    assert mlrun.data.tags["purpose"] == "test"
+    assert mlrun.info.status == "FINISHED"
+
+
+def test_a_disabled_tracker_writes_nothing(compose_cfg, tracking_uri):
+    cfg = compose_cfg("mlflow.experiment=never")
+    tracker = Tracker(cfg.mlflow, enabled=False)
+    tracker.connect()
+    tracker.start("nothing", {"a": 1}, {})
+    tracker.log_metrics({"x": 1.0}, step=1)
+    tracker.end()
+    assert MlflowClient(tracking_uri=tracking_uri).get_experiment_by_name("never") is None
