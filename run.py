@@ -24,11 +24,11 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float:
-    from accelexp.train import run  # torch and mlflow load after Hydra has parsed the command line
+    from accelexp.launch import launch  # torch loads after Hydra has parsed the command line
 
     hydra_cfg = HydraConfig.get()
     try:
-        metrics = run(cfg, hydra_cfg.runtime.output_dir, hydra_cfg.overrides.task)
+        metrics = launch(cfg, hydra_cfg.runtime.output_dir, hydra_cfg.overrides.task)
     except AccelexpError as error:
         log.error("%s", error)
         sys.exit(2)

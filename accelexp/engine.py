@@ -9,6 +9,7 @@ the epoch, once, summed over all ranks.
 
 from __future__ import annotations
 
+import math
 import resource
 import time
 from dataclasses import dataclass
@@ -69,8 +70,12 @@ class Trainer:
         self.log_every = log_every
         self.progress = progress and strategy.is_main
 
-    def steps_per_epoch(self, loader: BatchLoader) -> int:
+    def batches_per_epoch(self, loader: BatchLoader) -> int:
         return min(len(loader), self.max_steps) if self.max_steps else len(loader)
+
+    def optimizer_steps_per_epoch(self, loader: BatchLoader) -> int:
+        """One per `accumulate_steps` batches; a last, shorter group of batches steps too."""
+        return math.ceil(self.batches_per_epoch(loader) / self.strategy.accumulate_steps)
 
     def _sum_over_ranks(self, *values: torch.Tensor | float) -> list[float]:
         stacked = torch.stack(
@@ -81,7 +86,8 @@ class Trainer:
     def train_epoch(self, loader: BatchLoader, epoch: int) -> EpochResult:
         self.model.train()
         loader.set_epoch(epoch)
-        steps = self.steps_per_epoch(loader)
+        steps = self.batches_per_epoch(loader)
+        accumulate = self.strategy.accumulate_steps
         loss_sum = torch.zeros((), device=self.device)
         correct = torch.zeros((), dtype=torch.long, device=self.device)
         seen = 0
@@ -97,13 +103,16 @@ class Trainer:
         for step, (images, labels) in enumerate(loader):
             if step == steps:
                 break
-            with self.precision.autocast():
-                logits = self.model(images)
-                loss = F.cross_entropy(logits, labels)
-            self.optimizer.zero_grad(set_to_none=True)
-            self.precision.backward(loss)
-            self.strategy.optimizer_step(self.optimizer, self.precision)
-            self.scheduler.step()
+            step_now = (step + 1) % accumulate == 0 or step + 1 == steps
+            with self.strategy.backward_context(self.model, sync=step_now):
+                with self.precision.autocast():
+                    logits = self.model(images)
+                    loss = F.cross_entropy(logits, labels)
+                self.precision.backward(loss / accumulate if accumulate > 1 else loss)
+            if step_now:
+                self.strategy.optimizer_step(self.optimizer, self.precision)
+                self.optimizer.zero_grad()  # set_to_none by default since torch 2.0
+                self.scheduler.step()
             loss_sum += loss.detach() * len(labels)
             correct += (logits.argmax(1) == labels).sum()
             seen += len(labels)

@@ -79,6 +79,25 @@ def make_loaders(
     return train, val, test
 
 
+class FailingLoader:
+    """Test hook (`debug.raise_on_rank`): the loader of one rank raises at a given step."""
+
+    def __init__(self, loader: BatchLoader, at_step: int, rank: int) -> None:
+        self.loader, self.at_step, self.rank = loader, at_step, rank
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.loader.set_epoch(epoch)
+
+    def __iter__(self):
+        for step, batch in enumerate(self.loader, start=1):
+            if step == self.at_step:
+                raise RuntimeError(f"debug.raise_on_rank={self.rank}: failing at step {step}")
+            yield batch
+
+
 def run(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = ()) -> dict[str, float]:
     """Train and test one configuration; returns the final metrics."""
     validate(cfg)
@@ -101,6 +120,8 @@ def _run(
     seed_everything(cfg.seed, cfg.deterministic)
     data = build_data(cfg.data, cfg.seed)
     train_loader, val_loader, test_loader = make_loaders(cfg, data, strategy)
+    if cfg.debug.raise_on_rank == strategy.rank:
+        train_loader = FailingLoader(train_loader, cfg.debug.raise_at_step, strategy.rank)
     model = strategy.wrap_model(
         build_model(cfg.model, data.in_channels, data.num_classes, data.image_size)
     )
@@ -122,7 +143,7 @@ def _run(
         cfg.progress,
     )
     trainer.scheduler = build_scheduler(
-        cfg.scheduler, optimizer, trainer.steps_per_epoch(train_loader), cfg.epochs
+        cfg.scheduler, optimizer, trainer.optimizer_steps_per_epoch(train_loader), cfg.epochs
     )
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -187,7 +208,7 @@ def _fit(
             "lr": lr,
             "epoch_time_s": train.seconds,
             "samples_per_s": train.samples_per_s,
-            "samples_per_s_per_device": train.samples_per_s / strategy.world_size,
+            "samples_per_s_per_device": train.samples_per_s / strategy.num_devices,
             "peak_mem_mb": peak_memory_mb(device),
             "grad_scale": trainer.precision.grad_scale(),
             "elapsed_s": elapsed,

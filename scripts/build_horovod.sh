@@ -9,11 +9,15 @@
 #     against the exact torch in the venv.  pip's build isolation hides that
 #     torch, so we build with --no-build-isolation (and never reuse pip's wheel
 #     cache, which may hold a wheel built against a different torch).
-#   * Horovod 0.28.1 compiles its torch extension as C++14
-#     (`set(CMAKE_CXX_STANDARD 14)` in horovod/torch/CMakeLists.txt; the top
+#   * Horovod 0.28.1 compiles as C++14 (`set(CMAKE_CXX_STANDARD 14)` in the
+#     top CMakeLists.txt and in horovod/torch/CMakeLists.txt; the top
 #     CMakeLists also strips any -std= from CXXFLAGS, so CXXFLAGS cannot fix
-#     it).  torch >= 2.10 headers need C++20, so we patch that line of the
-#     unpacked sdist to 20 before building.
+#     it).  torch 2.14 headers need C++20, so both lines of the unpacked sdist
+#     are patched to 20.  Patching only the torch one is not enough: the
+#     bundled gloo would stay C++14 and the link fails with "multiple
+#     definition of gloo::rendezvous::Store::kDefaultTimeout" (a static
+#     constexpr member is an inline variable from C++17 on, but a strong
+#     out-of-line definition in C++14).
 #   * A CUDA build of torch makes Horovod's CMake require a CUDA toolkit
 #     ("Could NOT find CUDAToolkit"), so CUDA_HOME / CUDAToolkit_ROOT are
 #     pointed at one (default /usr/local/cuda).
@@ -52,17 +56,32 @@ export PATH="$VENV/bin:$PATH"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # ---------------------------------------------------------------------------
-# 1. Fast path: already installed, importable and built against this torch.
+# 1. Fast path: already installed, importable, built against this torch (and
+#    with NCCL when a GPU build is wanted).
 # ---------------------------------------------------------------------------
+gpu_present() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+REQUESTED_VARIANT="${ACCELEXP_HOROVOD_VARIANT:-}"
+case "$REQUESTED_VARIANT" in
+    ''|cpu|cuda-nccl) ;;
+    *) die "ACCELEXP_HOROVOD_VARIANT must be 'cpu' or 'cuda-nccl', got '$REQUESTED_VARIANT'" ;;
+esac
+WANT_NCCL=0
+if [[ "$REQUESTED_VARIANT" == cuda-nccl ]] || { [[ -z "$REQUESTED_VARIANT" ]] && gpu_present; }; then
+    WANT_NCCL=1
+fi
+
 installed_ok() {
-    "$PY" - "$HOROVOD_VERSION" >/dev/null 2>&1 <<'EOF'
+    "$PY" - "$HOROVOD_VERSION" "$WANT_NCCL" >/dev/null 2>&1 <<'EOF'
 import json, os, sys, warnings
 warnings.simplefilter("ignore")
-import torch, horovod, horovod.torch
+import torch, horovod, horovod.torch as hvd
 assert horovod.__version__ == sys.argv[1], horovod.__version__
 meta = os.path.join(os.path.dirname(horovod.__file__), "metadata.json")
 with open(meta) as f:
     assert json.load(f).get("pytorch") == torch.__version__
+if sys.argv[2] == "1" and torch.version.cuda:
+    assert hvd.nccl_built()
 EOF
 }
 
@@ -84,20 +103,13 @@ print(torch.__version__, torch.version.cuda or "none",
 EOF
 )
 
-if [[ -n "${ACCELEXP_HOROVOD_VARIANT:-}" ]]; then
-    VARIANT="$ACCELEXP_HOROVOD_VARIANT"
-elif [[ "$TORCH_CUDA" != none ]] && command -v nvidia-smi >/dev/null 2>&1 \
-        && nvidia-smi -L >/dev/null 2>&1; then
+if [[ "$WANT_NCCL" == 1 && "$TORCH_CUDA" != none ]]; then
     VARIANT=cuda-nccl
+elif [[ "$REQUESTED_VARIANT" == cuda-nccl ]]; then
+    die "variant cuda-nccl requested but torch $TORCH_VERSION is not a CUDA build"
 else
     VARIANT=cpu
 fi
-case "$VARIANT" in
-    cpu|cuda-nccl) ;;
-    *) die "ACCELEXP_HOROVOD_VARIANT must be 'cpu' or 'cuda-nccl', got '$VARIANT'" ;;
-esac
-[[ "$VARIANT" == cpu || "$TORCH_CUDA" != none ]] \
-    || die "variant cuda-nccl requested but torch $TORCH_VERSION is not a CUDA build"
 
 CACHE_ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/accelexp"
 CACHE_DIR="$CACHE_ROOT/wheels/horovod-${HOROVOD_VERSION}-torch${TORCH_VERSION}-${PY_TAG}-${VARIANT}"
@@ -186,11 +198,13 @@ build_wheel() {
     # Bundled gloo/flatbuffers use cmake_minimum_required(< 3.5); CMake 4 needs this.
     export CMAKE_POLICY_VERSION_MINIMUM=3.5
 
-    log "downloading horovod==$HOROVOD_VERSION sdist"
     local sdist_cache="$CACHE_ROOT/sdists"
     local sdist="$sdist_cache/horovod-$HOROVOD_VERSION.tar.gz"
     mkdir -p "$sdist_cache"
-    if [[ ! -s "$sdist" ]]; then
+    if [[ -s "$sdist" ]]; then
+        log "using cached sdist $sdist"
+    else
+        log "downloading horovod==$HOROVOD_VERSION sdist"
         "$PY" -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
             --no-cache-dir -d "$WORK_DIR/dl" "horovod==$HOROVOD_VERSION" >>"$BUILD_LOG" 2>&1 \
             || fail_build "downloading the horovod sdist failed"
@@ -200,14 +214,16 @@ build_wheel() {
     tar -xzf "$sdist" -C "$WORK_DIR"
     local src="$WORK_DIR/horovod-$HOROVOD_VERSION"
 
-    # Patch: build the torch extension as C++20 (torch headers require it).
-    local torch_cmake="$src/horovod/torch/CMakeLists.txt"
-    sed -i -E 's/set\(CMAKE_CXX_STANDARD 1[147]\)/set(CMAKE_CXX_STANDARD 20)/' "$torch_cmake"
-    grep -q 'set(CMAKE_CXX_STANDARD 20)' "$torch_cmake" \
-        || die "C++20 patch did not apply to $torch_cmake"
-    if grep -q 'set(CMAKE_CXX_STANDARD 1[147])' "$torch_cmake"; then
-        die "C++20 patch left a C++14/17 line in $torch_cmake"
-    fi
+    # Patch: compile Horovod (and the bundled gloo it links) as C++20, which
+    # torch's headers require (see header comment).
+    local cm
+    for cm in "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"; do
+        sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 20)/' "$cm"
+        grep -q 'set(CMAKE_CXX_STANDARD 20)' "$cm" || die "C++20 patch did not apply to $cm"
+        if grep -q 'set(CMAKE_CXX_STANDARD 14)' "$cm"; then
+            die "C++20 patch left a C++14 line in $cm"
+        fi
+    done
 
     log "building wheel with $jobs parallel jobs (several minutes; log: $BUILD_LOG)"
     local start=$SECONDS
@@ -225,8 +241,12 @@ build_wheel() {
 }
 
 fail_build() {
+    # The real compiler/linker error is usually far above pip's traceback.
+    printf '[build_horovod] ---- first errors in %s ----\n' "$BUILD_LOG" >&2
+    grep -m 15 -E 'error:|Error [0-9]|CMake Error|undefined reference|multiple definition' \
+        "$BUILD_LOG" | cut -c 1-400 >&2 || true
     printf '[build_horovod] ---- last 40 lines of %s ----\n' "$BUILD_LOG" >&2
-    tail -n 40 "$BUILD_LOG" >&2 || true
+    tail -n 40 "$BUILD_LOG" | cut -c 1-400 >&2 || true
     die "$1 (full log: $BUILD_LOG)"
 }
 

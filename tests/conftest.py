@@ -12,7 +12,10 @@ writes into a store of its own and none sees another's runs.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -109,3 +112,20 @@ def only_run(tracking_uri: str, experiment: str = "accelexp") -> Run:
     runs = client.search_runs([found.experiment_id])
     assert len(runs) == 1, f"expected one run, found {len(runs)}"
     return runs[0]
+
+
+def run_cli(*args: str, tmp_path: Path | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "MLFLOW_"))}
+    extra = [f"hydra.run.dir={tmp_path / 'job'}"] if tmp_path is not None else []
+    return subprocess.run(
+        [sys.executable, "run.py", *args, *extra],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def output_of(result: subprocess.CompletedProcess) -> str:
+    return result.stdout + result.stderr

@@ -6,31 +6,12 @@ Hydra's job folder goes to tmp, and a run that gets as far as the tracker uses a
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from conftest import REPO, group_options, new_store, primary_groups
+from conftest import group_options, new_store, output_of, primary_groups, run_cli
 
-
-def run_cli(*args: str, tmp_path: Path | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "MLFLOW_"))}
-    extra = [f"hydra.run.dir={tmp_path / 'job'}"] if tmp_path is not None else []
-    return subprocess.run(
-        [sys.executable, "run.py", *args, *extra],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def output_of(result: subprocess.CompletedProcess) -> str:
-    return result.stdout + result.stderr
+from accelexp.parallel.world import free_port
 
 
 def assert_clean_failure(result: subprocess.CompletedProcess) -> str:
@@ -38,12 +19,6 @@ def assert_clean_failure(result: subprocess.CompletedProcess) -> str:
     assert result.returncode != 0, text
     assert "Traceback" not in text, text
     return text
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

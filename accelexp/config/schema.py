@@ -70,8 +70,41 @@ class PrecisionConfig:
 
 @dataclass
 class ParallelismConfig:
+    """Keys every strategy has; `nprocs` is the number of worker processes (one per GPU)."""
+
     name: str = "single"
     nprocs: int = 1
+    # lr multiplier with the world size (and accumulation): linear (Horovod's rule), sqrt, none
+    lr_scaling: str = "linear"
+    # micro-batches per optimizer step (DDP: no_sync between; Horovod: backward_passes_per_step)
+    accumulate_steps: int = 1
+
+
+@dataclass
+class DataParallelConfig(ParallelismConfig):
+    """torch.nn.DataParallel: one process, `devices` GPUs (null: all visible)."""
+
+    name: str = "dp"
+    devices: list[int] | None = None
+
+
+@dataclass
+class DDPConfig(ParallelismConfig):
+    name: str = "ddp"
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    sync_batchnorm: bool = False
+    bucket_cap_mb: float = 25.0
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+    comm_hook: str = "none"  # none | fp16 | bf16: gradient compression for the allreduce
+    master_port: int | None = None  # rendezvous port when accelexp starts the workers; None: free
+
+
+@dataclass
+class HorovodConfig(ParallelismConfig):
+    name: str = "horovod"
+    compression: str = "none"  # none | fp16
+    op: str = "average"  # average | adasum
 
 
 # --- optimizer -----------------------------------------------------------------------------
@@ -143,6 +176,12 @@ class MlflowConfig:
 
 
 @dataclass
+class DebugConfig:
+    raise_on_rank: int | None = None
+    raise_at_step: int = 1
+
+
+@dataclass
 class Config:
     model: Any = MISSING
     data: Any = MISSING
@@ -160,13 +199,20 @@ class Config:
     deterministic: bool = False
     progress: bool = True
     log_every_n_steps: int = 20
+    # test hook: this rank raises at this training step (a crashed worker, on purpose)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"simple_cnn": SimpleCNNConfig, "resnet": ResNetConfig},
     "data": {"data": DataConfig},
     "precision": {"precision": PrecisionConfig},
-    "parallelism": {"parallelism": ParallelismConfig},
+    "parallelism": {
+        "single": ParallelismConfig,
+        "dp": DataParallelConfig,
+        "ddp": DDPConfig,
+        "horovod": HorovodConfig,
+    },
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
     "scheduler": {
         "none": SchedulerConfig,

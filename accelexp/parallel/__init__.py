@@ -13,14 +13,22 @@ from omegaconf import DictConfig
 from accelexp.config import ConfigError
 from accelexp.parallel.base import Strategy
 
-STRATEGIES = {"single": "accelexp.parallel.single:SingleDevice"}
+STRATEGIES = {
+    "single": "accelexp.parallel.single:SingleDevice",
+    "dp": "accelexp.parallel.dp:DataParallel",
+    "ddp": "accelexp.parallel.ddp:DDP",
+    "horovod": "accelexp.parallel.horovod:Horovod",
+}
 
 
-def build_strategy(cfg: DictConfig) -> Strategy:
-    name = cfg.parallelism.name
+def strategy_class(name: str) -> type[Strategy]:
     if name not in STRATEGIES:
         raise ConfigError(
             f"parallelism.name={name!r} is unknown: expected one of {sorted(STRATEGIES)}"
         )
     module, cls = STRATEGIES[name].split(":")
-    return getattr(importlib.import_module(module), cls)(cfg.parallelism, cfg.device)
+    return getattr(importlib.import_module(module), cls)
+
+
+def build_strategy(cfg: DictConfig) -> Strategy:
+    return strategy_class(cfg.parallelism.name)(cfg.parallelism, cfg.device)

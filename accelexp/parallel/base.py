@@ -7,6 +7,9 @@ is a new module in this folder; nothing outside it asks which strategy is runnin
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig
@@ -47,6 +50,8 @@ class Strategy:
     """One process, one device. Subclasses override what differs for their world."""
 
     name = "single"
+    # the launcher that starts `nprocs` workers of this strategy (accelexp.launch), or None
+    launcher: str | None = None
 
     def __init__(self, cfg: DictConfig, device: str = "auto") -> None:
         self.cfg = cfg
@@ -69,9 +74,22 @@ class Strategy:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def num_devices(self) -> int:
+        """Devices doing the work (the per-device throughput divides by this)."""
+        return self.world_size
+
+    @property
+    def accumulate_steps(self) -> int:
+        return self.cfg.accumulate_steps
+
     def describe(self) -> dict[str, int | str]:
         """Facts about the world that are logged with the run."""
-        return {"world_size": self.world_size, "device_type": self.device.type}
+        return {
+            "world_size": self.world_size,
+            "num_devices": self.num_devices,
+            "device_type": self.device.type,
+        }
 
     # --- model and optimizer ----------------------------------------------------------------
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -82,7 +100,9 @@ class Strategy:
         return model
 
     def scale_lr(self, lr: float) -> float:
-        return lr
+        """`parallelism.lr_scaling` with the number of samples per optimizer step."""
+        factor = self.world_size * self.accumulate_steps
+        return lr * {"linear": factor, "sqrt": math.sqrt(factor), "none": 1}[self.cfg.lr_scaling]
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, model: nn.Module
@@ -91,6 +111,10 @@ class Strategy:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
         precision.step(optimizer)
+
+    def backward_context(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """Where a backward pass runs; `sync=False` for the micro-batches that only accumulate."""
+        return contextlib.nullcontext()
 
     # --- data --------------------------------------------------------------------------------
     def train_sampler(self, num_samples: int, seed: int) -> Sampler[int]:

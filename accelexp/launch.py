@@ -1,0 +1,156 @@
+"""How a job's workers are started, or joined. Knows launchers, not training.
+
+- Inside a world already (horovodrun, torchrun, srun, mpirun set the environment: see
+  `parallel/world.py`), or with `nprocs: 1`, the job trains in this process.
+- Otherwise the strategy's real launcher starts `nprocs` workers on this machine: torch's elastic
+  launcher (`python -m torch.distributed.run`, i.e. torchrun) for DDP, `horovodrun --gloo` for
+  Horovod. Each worker runs `python -m accelexp.worker SPEC_DIR` on the *resolved* config saved
+  there: workers do not re-run Hydra nor make output folders of their own.
+
+A worker that fails brings the job down: the launcher stops the others, the job exits non-zero
+with that worker's error, and the whole process group is killed so nothing is left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from accelexp.config import ConfigError, validate
+from accelexp.errors import AccelexpError
+from accelexp.parallel import strategy_class
+from accelexp.parallel.world import current_world, port_in_use
+
+log = logging.getLogger(__name__)
+
+
+class WorkerFailedError(AccelexpError):
+    """A worker process failed; the message carries its error."""
+
+
+def launch(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = ()) -> dict:
+    """Run the job here, or start its workers and wait for them; returns rank 0's final metrics."""
+    from accelexp.train import run
+
+    validate(cfg)
+    output_dir = Path(output_dir)
+    world = current_world()
+    nprocs = cfg.parallelism.nprocs
+    if world.joined:
+        log.info(
+            "Joining a world of %d started by %s as rank %d",
+            world.world_size,
+            world.source,
+            world.rank,
+        )
+        return run(cfg, output_dir, overrides)
+    if nprocs == 1:
+        return run(cfg, output_dir, overrides)
+    launcher = strategy_class(cfg.parallelism.name).launcher
+    if launcher is None:
+        raise ConfigError(
+            f"parallelism={cfg.parallelism.name} runs in one process, but parallelism.nprocs="
+            f"{nprocs}: use parallelism=ddp or parallelism=horovod for several workers."
+        )
+    gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
+    if gpus and nprocs > gpus:
+        raise AccelexpError(
+            f"parallelism.nprocs={nprocs} workers, one per GPU, but this machine has {gpus} "
+            f"GPU(s). Use parallelism.nprocs<={gpus}, or device=cpu."
+        )
+    cfg = cfg.copy()
+    if cfg.threads is None and not gpus:  # workers share this machine's cores
+        cfg.threads = max(1, len(os.sched_getaffinity(0)) // nprocs)
+    spec = _write_spec(cfg, output_dir, overrides)
+    command = LAUNCHERS[launcher](cfg.parallelism, spec)
+    log.info("Starting %d %s workers: %s", nprocs, cfg.parallelism.name, " ".join(command))
+    returncode = _run_process_group(command, threads=cfg.threads)
+    if returncode != 0:
+        raise WorkerFailedError(_failure_message(cfg, spec, returncode))
+    return json.loads((spec / "result.json").read_text())
+
+
+def _write_spec(cfg: DictConfig, output_dir: Path, overrides: Sequence[str]) -> Path:
+    spec = output_dir / "workers"
+    shutil.rmtree(spec / "errors", ignore_errors=True)
+    (spec / "errors").mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, spec / "config.yaml", resolve=True)
+    (spec / "job.json").write_text(
+        json.dumps({"output_dir": str(output_dir), "overrides": list(overrides)})
+    )
+    return spec
+
+
+def _torchrun(cfg: DictConfig, spec: Path) -> list[str]:
+    if cfg.master_port is not None:
+        if port_in_use(cfg.master_port):
+            raise AccelexpError(
+                f"parallelism.master_port={cfg.master_port} is already in use on 127.0.0.1. "
+                f"Pick another port, or leave it null to use a free one."
+            )
+        rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{cfg.master_port}"]
+    else:
+        rendezvous = ["--standalone"]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+        f"--nproc-per-node={cfg.nprocs}", *rendezvous, "--max-restarts=0",
+        "-m", "accelexp.worker", str(spec),
+    ]  # fmt: skip
+
+
+def _horovodrun(cfg: DictConfig, spec: Path) -> list[str]:
+    horovodrun = Path(sys.executable).with_name("horovodrun")
+    if importlib.util.find_spec("horovod") is None or not horovodrun.exists():
+        raise AccelexpError(
+            "parallelism=horovod needs Horovod (and its horovodrun), which is not installed in "
+            f"{Path(sys.executable).parent.parent}. Run the setup, which builds it: `make setup`."
+        )
+    return [
+        str(horovodrun), "-np", str(cfg.nprocs), "-H", f"localhost:{cfg.nprocs}", "--gloo",
+        sys.executable, "-m", "accelexp.worker", str(spec),
+    ]  # fmt: skip
+
+
+LAUNCHERS = {"torchrun": _torchrun, "horovodrun": _horovodrun}
+
+
+def _run_process_group(command: list[str], threads: int | None) -> int:
+    """Run the launcher in its own session; whatever happens, leave none of its processes."""
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    process = subprocess.Popen(command, start_new_session=True, env=env)
+    try:
+        return process.wait()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def _failure_message(cfg: DictConfig, spec: Path, returncode: int) -> str:
+    """The first worker's error in full; the others (usually its consequences) in one line each."""
+    errors = sorted((spec / "errors").glob("rank*.txt"), key=lambda path: path.stat().st_mtime)
+    lines = [
+        f"{cfg.parallelism.nprocs} {cfg.parallelism.name} workers failed "
+        f"(launcher exit code {returncode})."
+    ]
+    if errors:
+        first, *others = errors
+        lines.append(f"First failure, {first.stem}: {first.read_text().strip()}")
+        lines += [f"Then {e.stem}: {e.read_text().splitlines()[0]}" for e in others]
+    else:
+        lines.append("No worker recorded an error: one was killed, or failed before starting.")
+    lines.append("The workers' full output is above.")
+    return "\n".join(lines)

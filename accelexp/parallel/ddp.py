@@ -1,0 +1,114 @@
+"""`parallelism=ddp`: torch.distributed DistributedDataParallel, one process per device.
+
+NCCL on CUDA, Gloo on CPU (`backend: auto`). The process joins the world its launcher made
+(torchrun, srun, mpirun: see `world.py`); a lone process (nprocs=1) makes a world of one on a free
+local port, so the same code path runs at every size. Options: SyncBatchNorm, bucket size, static
+graph, gradient compression through DDP's comm hooks (fp16/bf16), and gradient accumulation with
+`no_sync` on the micro-batches that only accumulate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from omegaconf import DictConfig
+from torch.nn.parallel import DistributedDataParallel
+
+from accelexp.errors import AccelexpError
+from accelexp.parallel.base import Strategy, resolve_device
+from accelexp.parallel.world import current_world, free_port, slurm_master_addr
+
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class DDP(Strategy):
+    name = "ddp"
+    launcher = "torchrun"
+
+    def __init__(self, cfg: DictConfig, device: str = "auto") -> None:
+        super().__init__(cfg, device)
+        self._owns_group = False
+
+    def setup(self) -> None:
+        world = current_world()
+        self.rank, self.world_size, self.local_rank = world.rank, world.world_size, world.local_rank
+        self.device = resolve_device(self.device_request, self.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        backend = self.cfg.backend
+        if backend == "auto":
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            init_method = self._init_method(world.source)
+            try:
+                dist.init_process_group(
+                    backend,
+                    init_method=init_method,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    timeout=TIMEOUT,
+                )
+            except (RuntimeError, dist.DistStoreError) as error:
+                raise AccelexpError(
+                    f"DDP could not form its world of {self.world_size} at {init_method} "
+                    f"({error}). If the port is taken, set parallelism.master_port to a free one "
+                    f"(or unset MASTER_PORT)."
+                ) from error
+            self._owns_group = True
+
+    def _init_method(self, source: str | None) -> str:
+        """torchrun sets MASTER_ADDR/PORT; under srun/mpirun rank 0's host is derived."""
+        if source is None:  # a world of one
+            return f"tcp://127.0.0.1:{free_port()}"
+        addr = os.environ.get("MASTER_ADDR") or (
+            slurm_master_addr() if source == "slurm" else "127.0.0.1"
+        )
+        port = os.environ.get("MASTER_PORT") or self.cfg.master_port or 29500
+        return f"tcp://{addr}:{port}"
+
+    def teardown(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        if self.cfg.sync_batchnorm:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        model = model.to(self.device)
+        ddp = DistributedDataParallel(
+            model,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            bucket_cap_mb=self.cfg.bucket_cap_mb,
+            static_graph=self.cfg.static_graph,
+            find_unused_parameters=self.cfg.find_unused_parameters,
+        )
+        if self.cfg.comm_hook != "none":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = {
+                "fp16": default_hooks.fp16_compress_hook,
+                "bf16": default_hooks.bf16_compress_hook,
+            }
+            ddp.register_comm_hook(state=None, hook=hook[self.cfg.comm_hook])
+        return ddp
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def backward_context(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if sync else model.no_sync()
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor
+
+    def barrier(self) -> None:
+        dist.barrier()

@@ -1,0 +1,51 @@
+"""`parallelism=dp`: torch.nn.DataParallel — one process scatters each batch over its GPUs.
+
+As in the seed's ResNet-50 script. Asking for more GPUs than are present is an error; on a
+CPU-only machine the plain module runs (DataParallel has nothing to split there), said once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from accelexp.errors import AccelexpError
+from accelexp.parallel.base import Strategy
+
+log = logging.getLogger(__name__)
+
+
+class DataParallel(Strategy):
+    name = "dp"
+
+    def setup(self) -> None:
+        super().setup()
+        available = torch.cuda.device_count() if self.device.type == "cuda" else 0
+        wanted = list(self.cfg.devices) if self.cfg.devices is not None else list(range(available))
+        missing = [d for d in wanted if d >= available]
+        if self.device.type == "cuda" and missing:
+            raise AccelexpError(
+                f"parallelism.devices={wanted} asks for GPU(s) {missing}, but this machine has "
+                f"{available} GPU(s) (ids 0..{available - 1}). Use fewer devices."
+            )
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", wanted[0])
+            torch.cuda.set_device(self.device)
+        else:
+            log.info("parallelism=dp on a CPU-only machine: running the plain module on the CPU")
+        self.device_ids = wanted if self.device.type == "cuda" else []
+
+    @property
+    def num_devices(self) -> int:
+        return max(1, len(self.device_ids))
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        if len(self.device_ids) > 1:
+            return nn.DataParallel(model, device_ids=self.device_ids)
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, nn.DataParallel) else model

@@ -1,0 +1,109 @@
+"""`parallelism=horovod`: the recipe of Horovod's PyTorch examples, complete.
+
+`hvd.init()`; each worker pinned to GPU `hvd.local_rank()`; a DistributedSampler per rank;
+`hvd.DistributedOptimizer(named_parameters=...)` with `compression` (none/fp16),
+`backward_passes_per_step` (= `accumulate_steps`) and `op` (average/adasum); parameters (and
+optimizer state, when there is any) broadcast from rank 0; metrics summed with allreduce; only
+rank 0 logs and saves.
+
+With a GradScaler (fp16 AMP on CUDA) the step follows Horovod's AMP recipe: synchronize the
+gradients, unscale them, then step without a second synchronization. Horovod's allreduce has no
+bfloat16: accelexp keeps parameters, hence gradients, in fp32 under every precision (autocast
+only changes the compute dtype), and refuses a model whose parameters are bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from accelexp.errors import AccelexpError
+from accelexp.parallel.base import Strategy, resolve_device
+from accelexp.precision import Precision
+
+SETUP_HINT = "Run the setup, which builds it against the installed torch: `make setup`."
+
+
+def _import_horovod():
+    try:
+        import horovod.torch as hvd
+    except ImportError as error:
+        raise AccelexpError(
+            f"parallelism=horovod needs Horovod, which is not importable here ({error}). "
+            + SETUP_HINT
+        ) from error
+    return hvd
+
+
+class Horovod(Strategy):
+    name = "horovod"
+    launcher = "horovodrun"
+
+    def __init__(self, cfg: DictConfig, device: str = "auto") -> None:
+        super().__init__(cfg, device)
+        self.hvd = _import_horovod()
+
+    def setup(self) -> None:
+        hvd = self.hvd
+        hvd.init()
+        self.rank, self.world_size, self.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
+        self.device = resolve_device(self.device_request, self.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def teardown(self) -> None:
+        self.hvd.shutdown()
+
+    def scale_lr(self, lr: float) -> float:
+        # Adasum adapts the combined step itself: Horovod's examples do not scale its lr by size
+        return lr if self.cfg.op == "adasum" else super().scale_lr(lr)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        return model
+
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module
+    ) -> torch.optim.Optimizer:
+        hvd = self.hvd
+        bf16 = [name for name, p in model.named_parameters() if p.dtype == torch.bfloat16]
+        if bf16:
+            raise AccelexpError(
+                f"Horovod's allreduce has no bfloat16, but parameters {bf16[:3]} are bf16. "
+                "Keep the model in fp32 and use precision=bf16 (autocast) instead."
+            )
+        if optimizer.state_dict()["state"]:
+            # A fresh optimizer is identical on every rank by construction. Horovod's broadcast
+            # would first initialise its state with a zero-gradient step, which under weight
+            # decay moves the weights (and starts AdamW's bias correction a step late): done for
+            # an optimizer that carries state only, e.g. one restored from a checkpoint.
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        return hvd.DistributedOptimizer(
+            optimizer,
+            named_parameters=model.named_parameters(),
+            compression=hvd.Compression.fp16
+            if self.cfg.compression == "fp16"
+            else hvd.Compression.none,
+            backward_passes_per_step=self.accumulate_steps,
+            op=hvd.Adasum if self.cfg.op == "adasum" else hvd.Average,
+        )
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
+        if precision.scaler is None:
+            precision.step(optimizer)  # DistributedOptimizer.step() synchronizes first
+            return
+        optimizer.synchronize()
+        precision.unscale_(optimizer)
+        with optimizer.skip_synchronize():
+            precision.step(optimizer)
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.hvd.allreduce(tensor, op=self.hvd.Sum)
+
+    def reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.hvd.allreduce(tensor, op=self.hvd.Max)
+
+    def barrier(self) -> None:
+        self.hvd.barrier()

@@ -1,0 +1,73 @@
+"""The world's shape — how many processes, which one this is — read from the launcher's env.
+
+One place answers "am I inside a world, and where?" for every launcher we join:
+
+- horovodrun:        HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK
+- torchrun:          RANK, WORLD_SIZE, LOCAL_RANK (+ MASTER_ADDR, MASTER_PORT)
+- Slurm's srun:      SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (+ the node list for the master)
+- Open MPI's mpirun: OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+_SOURCES = {
+    "horovodrun": ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK"),
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    "mpirun": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+}
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    source: str | None = None  # the launcher whose environment this came from
+
+    @property
+    def joined(self) -> bool:
+        """True when a launcher started this process as one of several."""
+        return self.source is not None
+
+
+def current_world(env: Mapping[str, str] = os.environ) -> World:
+    """The world this process was launched into, or a world of one."""
+    for source, (rank, size, local) in _SOURCES.items():
+        if rank not in env or size not in env:
+            continue
+        # a one-task Slurm or MPI job is no world to join: accelexp may start its own workers
+        if int(env[size]) > 1 or source in ("horovodrun", "torchrun"):
+            return World(int(env[rank]), int(env[size]), int(env.get(local, 0)), source)
+    return World()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) == 0
+
+
+def slurm_master_addr(env: Mapping[str, str] = os.environ) -> str:
+    """The first host of the Slurm job: where rank 0 listens."""
+    nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodes:
+        return "127.0.0.1"
+    try:
+        hosts = subprocess.run(
+            ["scontrol", "show", "hostnames", nodes], capture_output=True, text=True, check=True
+        ).stdout.split()
+        return hosts[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return nodes.split(",")[0]

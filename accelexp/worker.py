@@ -1,0 +1,43 @@
+"""One worker of a multi-process job: `python -m accelexp.worker SPEC_DIR`.
+
+Started by a launcher (see `accelexp.launch`); reads the resolved config that the Hydra job saved
+in SPEC_DIR, trains as its rank, and on failure records its error in SPEC_DIR/errors/rank<N>.txt
+for the job to show. Rank 0 writes the final metrics to SPEC_DIR/result.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import traceback
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from accelexp.parallel.world import current_world
+
+
+def main(spec: Path) -> None:
+    world = current_world()
+    logging.basicConfig(
+        level=logging.INFO if world.rank == 0 else logging.WARNING,
+        format=f"[%(asctime)s][rank {world.rank}][%(name)s][%(levelname)s] - %(message)s",
+    )
+    cfg = OmegaConf.load(spec / "config.yaml")
+    job = json.loads((spec / "job.json").read_text())
+    try:
+        from accelexp.train import run
+
+        metrics = run(cfg, job["output_dir"], job["overrides"])
+    except BaseException as error:
+        (spec / "errors" / f"rank{world.rank}.txt").write_text(
+            f"{type(error).__name__}: {error}\n" + "".join(traceback.format_exception(error)[-3:])
+        )
+        raise
+    if world.rank == 0:
+        (spec / "result.json").write_text(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,324 @@
+"""Data parallelism on the real engines: DDP over Gloo (torchrun) and Horovod (horovodrun --gloo).
+
+Every multi-worker test here starts real worker processes through `accelexp.launch`, the way
+`python run.py parallelism=... parallelism.nprocs=2` does, on this machine's CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import REPO, compose_config, new_store, output_of, run_cli
+from mlflow import MlflowClient
+
+from accelexp.config import ConfigError
+from accelexp.launch import WorkerFailedError, launch
+from accelexp.parallel import build_strategy
+from accelexp.parallel.base import ShardSampler
+from accelexp.parallel.world import World, current_world
+
+# No dropout and no augmentation: the only randomness left is the data order, which every
+# strategy draws from the same seeded permutation (see Strategy.train_sampler).
+EXACT = (
+    "model.dropout=0",
+    "data.augment=false",
+    "parallelism.lr_scaling=none",
+    "epochs=1",
+    "data.num_train=512",  # enough for 4 full steps of 64
+)
+STRATEGIES = ("ddp", "horovod")
+
+
+def final_params(output_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(output_dir / "checkpoints" / "best.pt", weights_only=True)["model"]
+
+
+def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module")
+def single_reference(tmp_path_factory, mlflow_template_db):
+    """One process, global batch 64, 4 steps: what 2 workers with batch 32 must reproduce."""
+    root = tmp_path_factory.mktemp("single")
+    cfg = compose_config(
+        new_store(root, mlflow_template_db), *EXACT, "data.batch_size=64", "max_steps_per_epoch=4"
+    )
+    metrics = launch(cfg, root / "out")
+    return final_params(root / "out"), metrics
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_two_workers_equal_one_process_with_the_same_global_batch(
+    name, single_reference, tmp_path, tracking_uri
+):
+    cfg = compose_config(
+        tracking_uri,
+        *EXACT,
+        f"parallelism={name}",
+        "parallelism.nprocs=2",
+        "data.batch_size=32",
+        "max_steps_per_epoch=4",
+    )
+    metrics = launch(cfg, tmp_path / "out")
+    params, single_metrics = single_reference
+    assert_same_params(final_params(tmp_path / "out"), params)
+    # evaluation covers the whole test set once over both ranks: same model, same accuracy
+    assert math.isclose(metrics["test_acc"], single_metrics["test_acc"], abs_tol=1e-3)
+    run = MlflowClient(tracking_uri).search_runs(["1"])[0]
+    assert run.data.params["world_size"] == "2"
+    assert run.data.params["threads"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_gradient_accumulation_equals_the_larger_batch(
+    name, single_reference, tmp_path, tracking_uri
+):
+    # 2 workers x 2 micro-batches of 16 = one step on 64 samples, as the single process's
+    cfg = compose_config(
+        tracking_uri,
+        *EXACT,
+        f"parallelism={name}",
+        "parallelism.nprocs=2",
+        "parallelism.accumulate_steps=2",
+        "data.batch_size=16",
+        "max_steps_per_epoch=8",
+    )
+    launch(cfg, tmp_path / "out")
+    assert_same_params(final_params(tmp_path / "out"), single_reference[0])
+
+
+@pytest.mark.parametrize(
+    ("name", "compression"),
+    [("ddp", "parallelism.comm_hook=fp16"), ("horovod", "parallelism.compression=fp16")],
+)
+def test_amp_with_fp16_gradient_compression_trains(name, compression, tmp_path, tracking_uri):
+    cfg = compose_config(
+        tracking_uri,
+        f"parallelism={name}",
+        "parallelism.nprocs=2",
+        "precision=amp",  # bf16 autocast on a CPU
+        compression,
+        "epochs=2",
+        "max_steps_per_epoch=6",
+    )
+    metrics = launch(cfg, tmp_path / "out")
+    assert all(math.isfinite(v) for v in metrics.values())
+    run = MlflowClient(tracking_uri).search_runs(["1"])[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["precision"] == "amp"
+    assert [
+        m.step for m in MlflowClient(tracking_uri).get_metric_history(run.info.run_id, "train_loss")
+    ] == [1, 2]
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_sweep_over_worker_counts_logs_one_run_per_job(name, tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    result = run_cli(
+        "-m",
+        f"parallelism={name}",
+        "parallelism.nprocs=1,2",
+        "data=synthetic",
+        "data.num_train=256",
+        "data.image_size=16",
+        "data.batch_size=32",
+        "max_steps_per_epoch=3",
+        "epochs=1",
+        "progress=false",
+        f"mlflow.tracking_uri={uri}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    )
+    assert result.returncode == 0, output_of(result)
+    runs = MlflowClient(uri).search_runs(["1"])
+    assert sorted(r.data.params["world_size"] for r in runs) == ["1", "2"]
+    for run in runs:
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["parallelism"] == name
+        assert {"samples_per_s", "samples_per_s_per_device", "test_acc"} <= run.data.metrics.keys()
+    names = sorted(r.info.run_name for r in runs)
+    assert names == [f"simple_cnn-{name}-fp32", f"simple_cnn-{name}-np2-fp32"]
+
+
+def leftover_workers(marker: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(marker in part for part in proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_crashing_worker_fails_the_job_with_its_error_and_leaves_nothing(
+    name, tmp_path, tracking_uri
+):
+    cfg = compose_config(
+        tracking_uri,
+        f"parallelism={name}",
+        "parallelism.nprocs=2",
+        "debug.raise_on_rank=1",
+        "debug.raise_at_step=2",
+        "max_steps_per_epoch=5",
+    )
+    with pytest.raises(WorkerFailedError) as failure:
+        launch(cfg, tmp_path / "out")
+    message = str(failure.value)
+    assert "First failure, rank1: RuntimeError: debug.raise_on_rank=1: failing at step 2" in message
+    time.sleep(0.5)
+    assert leftover_workers(str(tmp_path / "out" / "workers")) == []
+    run = MlflowClient(tracking_uri).search_runs(["1"])[0]
+    assert run.info.status == "FAILED"  # rank 0 closed its run; what it logged stays
+
+
+def test_a_crashing_worker_through_run_py_exits_non_zero_with_the_error(tmp_path):
+    result = run_cli(
+        "parallelism=ddp",
+        "parallelism.nprocs=2",
+        "debug.raise_on_rank=0",
+        "data=synthetic",
+        "data.image_size=16",
+        "progress=false",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        tmp_path=tmp_path,
+    )
+    assert result.returncode == 2
+    assert "2 ddp workers failed" in output_of(result)
+    assert "debug.raise_on_rank=0: failing at step 1" in output_of(result)
+
+
+@pytest.mark.parametrize(
+    "launcher",
+    [
+        [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "run.py",
+            "parallelism=ddp",
+        ],
+        [
+            str(Path(sys.executable).with_name("horovodrun")),
+            "-np",
+            "2",
+            "-H",
+            "localhost:2",
+            "--gloo",
+            sys.executable,
+            "run.py",
+            "parallelism=horovod",
+        ],
+    ],
+    ids=["torchrun", "horovodrun"],
+)
+def test_run_py_joins_a_world_its_launcher_made(launcher, tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    command = launcher if not launcher[0].startswith("-") else [sys.executable, *launcher]
+    result = subprocess.run(
+        [
+            *command,
+            "parallelism.nprocs=1",  # ignored inside a world: its size is the launcher's
+            "data=synthetic",
+            "data.image_size=16",
+            "max_steps_per_epoch=3",
+            "epochs=1",
+            "progress=false",
+            "threads=1",
+            f"mlflow.tracking_uri={uri}",
+            f"hydra.run.dir={tmp_path / 'job'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, output_of(result)
+    runs = MlflowClient(uri).search_runs(["1"])
+    assert len(runs) == 1  # only rank 0 tracks
+    assert runs[0].data.params["world_size"] == "2"
+
+
+def test_horovod_missing_is_one_clear_message(tmp_path):
+    shadow = tmp_path / "shadow" / "horovod"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('horovod is hidden by this test')\n")
+    result = subprocess.run(
+        [sys.executable, "run.py", "parallelism=horovod", "parallelism.nprocs=1",
+         "data=synthetic", f"hydra.run.dir={tmp_path / 'job'}",
+         f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "shadow")},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "needs Horovod" in output_of(result) and "make setup" in output_of(result)
+    assert "Traceback" not in output_of(result)
+
+
+def test_a_taken_master_port_is_one_clear_message(tmp_path, compose_cfg):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = compose_cfg(
+            "parallelism=ddp", "parallelism.nprocs=2", f"parallelism.master_port={port}"
+        )
+        with pytest.raises(Exception, match=f"master_port={port} is already in use"):
+            launch(cfg, tmp_path / "out")
+
+
+def test_several_workers_need_a_multi_process_strategy(compose_cfg, tmp_path):
+    with pytest.raises(ConfigError, match="parallelism=ddp or parallelism=horovod"):
+        launch(compose_cfg("parallelism.nprocs=2"), tmp_path / "out")
+
+
+def test_dp_on_a_cpu_runs_the_plain_module(compose_cfg, tmp_path, caplog):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: DataParallel would wrap the model")
+    cfg = compose_cfg("parallelism=dp", "parallelism.devices=[0,1]")
+    with caplog.at_level("INFO"):
+        metrics = launch(cfg, tmp_path / "out")
+    assert "parallelism=dp on a CPU-only machine" in caplog.text
+    assert 0 <= metrics["test_acc"] <= 1
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, World()),
+        (
+            {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1"},
+            World(1, 4, 1, "horovodrun"),
+        ),
+        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}, World(3, 8, 3, "torchrun")),
+        ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}, World(5, 8, 1, "slurm")),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}, World()),  # one task
+    ],
+)
+def test_the_world_is_read_from_the_launchers_environment(env, expected):
+    assert current_world(env) == expected
+
+
+@pytest.mark.parametrize(("rule", "expected"), [("linear", 0.8), ("sqrt", 0.4), ("none", 0.2)])
+def test_lr_scaling_rules(compose_cfg, rule, expected):
+    strategy = build_strategy(compose_cfg("parallelism=ddp", f"parallelism.lr_scaling={rule}"))
+    strategy.world_size = 2
+    strategy.cfg.accumulate_steps = 2  # 4 times the samples per step
+    assert strategy.scale_lr(0.2) == pytest.approx(expected)
+
+
+def test_evaluation_shards_cover_each_sample_once():
+    for n in (7, 8):
+        shards = [list(ShardSampler(n, 3, rank)) for rank in range(3)]
+        assert sorted(i for shard in shards for i in shard) == list(range(n))
