@@ -23,7 +23,8 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 bench: setup
-	$(PY) benchmarks/overhead.py $(ARGS)
+	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/scaling.py
 
 clean:
 	rm -rf .pytest_cache .ruff_cache build *.egg-info

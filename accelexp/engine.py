@@ -48,6 +48,15 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def batches_per_epoch(num_batches: int, max_steps: int | None) -> int:
+    return min(num_batches, max_steps) if max_steps else num_batches
+
+
+def optimizer_steps_per_epoch(num_batches: int, max_steps: int | None, accumulate: int) -> int:
+    """One step per `accumulate` batches; a last, shorter group of batches steps too."""
+    return math.ceil(batches_per_epoch(num_batches, max_steps) / accumulate)
+
+
 class Trainer:
     def __init__(
         self,
@@ -71,11 +80,7 @@ class Trainer:
         self.progress = progress and strategy.is_main
 
     def batches_per_epoch(self, loader: BatchLoader) -> int:
-        return min(len(loader), self.max_steps) if self.max_steps else len(loader)
-
-    def optimizer_steps_per_epoch(self, loader: BatchLoader) -> int:
-        """One per `accumulate_steps` batches; a last, shorter group of batches steps too."""
-        return math.ceil(self.batches_per_epoch(loader) / self.strategy.accumulate_steps)
+        return batches_per_epoch(len(loader), self.max_steps)
 
     def _sum_over_ranks(self, *values: torch.Tensor | float) -> list[float]:
         stacked = torch.stack(

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from accelexp.config import ConfigError, validate
 from accelexp.data import BatchLoader, DataBundle, build_data
-from accelexp.engine import Trainer, peak_memory_mb
+from accelexp.engine import Trainer, optimizer_steps_per_epoch, peak_memory_mb
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
 from accelexp.parallel import build_strategy
@@ -132,18 +132,19 @@ def _run(
     precision = Precision(
         cfg.precision.name, strategy.device, cfg.precision.init_scale, cfg.precision.growth_interval
     )
+    steps = optimizer_steps_per_epoch(
+        len(train_loader), cfg.max_steps_per_epoch, strategy.accumulate_steps
+    )
+    scheduler = build_scheduler(cfg.scheduler, optimizer, steps, cfg.epochs)
     trainer = Trainer(
         model,
         optimizer,
-        None,
+        scheduler,
         precision,
         strategy,
         cfg.max_steps_per_epoch,
         cfg.log_every_n_steps,
         cfg.progress,
-    )
-    trainer.scheduler = build_scheduler(
-        cfg.scheduler, optimizer, trainer.optimizer_steps_per_epoch(train_loader), cfg.epochs
     )
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
