@@ -23,7 +23,7 @@ from accelexp.config import ConfigError
 from accelexp.launch import WorkerFailedError, launch
 from accelexp.parallel import build_strategy
 from accelexp.parallel.base import ShardSampler
-from accelexp.parallel.world import World, current_world
+from accelexp.parallel.world import World, current_world, free_port
 
 # No dropout and no augmentation: the only randomness left is the data order, which every
 # strategy draws from the same seeded permutation (see Strategy.train_sampler).
@@ -322,3 +322,39 @@ def test_evaluation_shards_cover_each_sample_once():
     for n in (7, 8):
         shards = [list(ShardSampler(n, 3, rank)) for rank in range(3)]
         assert sorted(i for shard in shards for i in shard) == list(range(n))
+
+
+def test_horovod_refuses_a_world_it_cannot_join(tmp_path):
+    # two srun tasks: a Gloo-only Horovod without horovodrun would form two worlds of one
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
+    result = subprocess.run(
+        [sys.executable, "run.py", "parallelism=horovod", "data=synthetic",
+         f"hydra.run.dir={tmp_path / 'job'}", f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, **slurm},
+    )  # fmt: skip
+    assert result.returncode == 2, output_of(result)
+    assert "slurm started 2 processes, but Horovod formed a world of 1" in output_of(result)
+
+
+def test_ddp_joins_a_slurm_world_from_its_environment(tmp_path):
+    """What `srun --ntasks 2 python run.py parallelism=ddp` does: two tasks with SLURM_* env."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    port = str(free_port())
+    command = [
+        sys.executable, "run.py", "parallelism=ddp", "data=synthetic", "data.image_size=16",
+        "max_steps_per_epoch=3", "epochs=1", "progress=false", "threads=1",
+        f"hydra.run.dir={tmp_path / 'job'}", f"mlflow.tracking_uri={uri}",
+    ]  # fmt: skip
+
+    def srun_task(rank: int) -> subprocess.Popen:
+        slurm = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank)}
+        env = {**os.environ, **slurm, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        return subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    tasks = [srun_task(0), srun_task(1)]
+    outputs = [task.communicate(timeout=300)[0] for task in tasks]
+    assert [task.returncode for task in tasks] == [0, 0], outputs
+    runs = MlflowClient(uri).search_runs(["1"])
+    assert len(runs) == 1 and runs[0].data.params["world_size"] == "2"

@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Strategy, resolve_device
+from accelexp.parallel.world import current_world
 from accelexp.precision import Precision
 
 SETUP_HINT = "Run the setup, which builds it against the installed torch: `make setup`."
@@ -48,6 +49,14 @@ class Horovod(Strategy):
         hvd = self.hvd
         hvd.init()
         self.rank, self.world_size, self.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
+        world = current_world()
+        if world.world_size != self.world_size:  # e.g. srun tasks of a Gloo-only Horovod
+            raise AccelexpError(
+                f"{world.source} started {world.world_size} processes, but Horovod formed a world "
+                f"of {self.world_size}: this Horovod cannot join a {world.source} world (that "
+                f"needs an MPI build). Start the job with horovodrun instead, e.g. inside the "
+                f"allocation: horovodrun -np {world.world_size} -H <hosts> python run.py ..."
+            )
         self.device = resolve_device(self.device_request, self.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
