@@ -12,7 +12,8 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
 from accelexp.engine import Trainer
-from accelexp.tracking import MAX_PARAM_VALUE, Tracker, flatten
+from accelexp.tracking import Tracker, flatten
+from accelexp.tracking.runs import MAX_PARAM_VALUE
 from accelexp.train import run
 
 EPOCH_METRICS = (
