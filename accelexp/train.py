@@ -28,6 +28,7 @@ from accelexp.parallel import build_strategy
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
 from accelexp.tracking import Tracker, flatten
+from accelexp.tracking.runs import RUN_ID_FILE, run_name, run_tags
 
 log = logging.getLogger(__name__)
 
@@ -39,13 +40,6 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
-
-
-def default_run_name(cfg: DictConfig) -> str:
-    parts = [cfg.model.name, cfg.parallelism.name]
-    if cfg.parallelism.nprocs > 1:
-        parts.append(f"np{cfg.parallelism.nprocs}")
-    return "-".join([*parts, cfg.precision.name])
 
 
 def make_loaders(
@@ -148,7 +142,6 @@ def _run(
     )
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
-    run_name = cfg.mlflow.run_name or default_run_name(cfg)
     params = {
         **flatten(resolved),
         **strategy.describe(),
@@ -156,15 +149,11 @@ def _run(
         "num_params": sum(p.numel() for p in model.parameters()),
         "train_samples": len(data.train),
     }
-    tags = {
-        "parallelism": cfg.parallelism.name,
-        "precision": cfg.precision.name,
-        "model": cfg.model.name,
-        "data": cfg.data.name,
-        "overrides": " ".join(overrides),
-        "host": platform.node(),
-    }
-    tracker.start(run_name, params, tags)
+    tags = {**run_tags(cfg, strategy.world_size, overrides), "host": platform.node()}
+    tracker.start(run_name(cfg), params, tags)
+    if tracker.run_id:  # a failure later on is recorded on this run (tracking.record_failure)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / RUN_ID_FILE).write_text(tracker.run_id)
     try:
         _log_run_files(tracker, output_dir, resolved)
         metrics = _fit(

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything accelexp needs, on a fresh machine or again on a set-up one (then in seconds):
-#   1. Debian's dataset-fashion-mnist (the real data of the default run), when apt is usable;
+#   1. Debian's dataset-fashion-mnist (the real data of the default run) and chromium (the tests
+#      look at the MLflow UI in it), when apt is usable;
 #   2. a virtual environment at .venv with torch/torchvision and the project (editable, +dev);
 #   3. Horovod, compiled against that torch once and cached as a wheel (scripts/build_horovod.sh).
 # Re-running skips every step whose result is already there.
@@ -14,7 +15,7 @@ TORCH_SPEC=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
 # 1. System packages (root + apt only; elsewhere data.download or data.root must provide the data)
-apt_packages=(dataset-fashion-mnist)
+apt_packages=(dataset-fashion-mnist chromium)
 missing=()
 for pkg in "${apt_packages[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")

@@ -141,6 +141,7 @@ def test_a_sweep_over_worker_counts_logs_one_run_per_job(name, tmp_path):
     )
     assert result.returncode == 0, output_of(result)
     runs = MlflowClient(uri).search_runs(["1"])
+    runs = [r for r in runs if r.data.tags.get("accelexp.sweep") != "true"]  # not the parent
     assert sorted(r.data.params["world_size"] for r in runs) == ["1", "2"]
     for run in runs:
         assert run.info.status == "FINISHED"
@@ -176,11 +177,9 @@ def test_a_crashing_worker_fails_the_job_with_its_error_and_leaves_nothing(
     assert "First failure, rank1: RuntimeError: debug.raise_on_rank=1: failing at step 2" in message
     time.sleep(0.5)
     assert leftover_workers(str(tmp_path / "out" / "workers")) == []
-    run = MlflowClient(tracking_uri).search_runs(["1"])[0]
-    assert run.info.status == "FAILED"  # rank 0 closed its run; what it logged stays
 
 
-def test_a_crashing_worker_through_run_py_exits_non_zero_with_the_error(tmp_path):
+def test_a_crashing_worker_through_run_py_fails_the_run_and_exits_non_zero(tmp_path):
     result = run_cli(
         "parallelism=ddp",
         "parallelism.nprocs=2",
@@ -194,6 +193,13 @@ def test_a_crashing_worker_through_run_py_exits_non_zero_with_the_error(tmp_path
     assert result.returncode == 2
     assert "2 ddp workers failed" in output_of(result)
     assert "debug.raise_on_rank=0: failing at step 1" in output_of(result)
+    # the job, not the killed worker, closes the run: FAILED, with the error, what was logged kept
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs(["1"])
+    assert run.info.status == "FAILED"
+    error = Path(client.download_artifacts(run.info.run_id, "error.txt")).read_text()
+    assert "debug.raise_on_rank=0" in error
+    assert "config_resolved.yaml" in {a.path for a in client.list_artifacts(run.info.run_id)}
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 
 MAX_PARAM_VALUE = 6000  # MLflow's limit on a param value
 MAX_PARAMS_PER_BATCH = 100  # MLflow's limit on params in one log_batch call
+# A sweep's parent run, handed to its jobs (also in worker and launcher subprocesses) by env
+PARENT_RUN_ENV = "ACCELEXP_PARENT_RUN_ID"
+SWEEP_NAME_ENV = "ACCELEXP_SWEEP_NAME"
+RUN_ID_FILE = "mlflow_run_id"  # in a job's output dir once its run exists
 
 
 class TrackingUnavailableError(AccelexpError):
@@ -119,7 +123,7 @@ class Tracker:
             return
         from mlflow.entities import Param
 
-        tags = {**tags, **_git_tags()}
+        tags = {**tags, **_git_tags(), **_sweep_tags()}
         run = self._client.create_run(self.experiment_id, run_name=run_name, tags=dict(tags))
         self.run_id = run.info.run_id
         items = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in params.items()]
@@ -163,14 +167,108 @@ class Tracker:
         log.info("MLflow run %s ended: %s. %s", self.run_id, status, self.where_to_look())
 
     def where_to_look(self) -> str:
-        """How to open this run in the MLflow UI (MLflow 3 opens on GenAI pages otherwise)."""
-        page = f"#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        uri = self.cfg.tracking_uri
-        if uri.startswith(("http://", "https://")):
-            return f"View it at {uri.rstrip('/')}/{page}"
-        return (
-            f"View it with `mlflow ui --backend-store-uri {uri}`, then http://127.0.0.1:5000/{page}"
-        )
+        return where_to_look(self.cfg.tracking_uri, self.experiment_id, self.run_id)
+
+
+def where_to_look(uri: str, experiment_id: str, run_id: str) -> str:
+    """Links to a run and to its experiment's runs table in the MLflow UI (MLflow 3 otherwise
+    opens an experiment on its GenAI overview, where training runs are not shown)."""
+    pages = f"#/experiments/{experiment_id}/runs/{run_id}", f"#/experiments/{experiment_id}/runs"
+    if uri.startswith(("http://", "https://")):
+        base = uri.rstrip("/")
+        return f"Run: {base}/{pages[0]}  Runs table: {base}/{pages[1]}"
+    base = "http://127.0.0.1:5000"
+    return (
+        f"See it with `mlflow ui --backend-store-uri {uri}`: run {base}/{pages[0]} , "
+        f"runs table {base}/{pages[1]}"
+    )
+
+
+def run_name(cfg: DictConfig) -> str:
+    """`mlflow.run_name`, or what differs between runs: e.g. resnet18-horovod-np4-amp."""
+    if cfg.mlflow.run_name:
+        return cfg.mlflow.run_name
+    parts = [cfg.model.name, cfg.parallelism.name]
+    if cfg.parallelism.nprocs > 1:
+        parts.append(f"np{cfg.parallelism.nprocs}")
+    return "-".join([*parts, cfg.precision.name])
+
+
+def run_tags(cfg: DictConfig, world_size: int, overrides: Sequence[str] = ()) -> dict[str, str]:
+    """What a run is, as tags to group and filter by in the MLflow UI and the report."""
+    return {
+        "parallelism": cfg.parallelism.name,
+        "precision": cfg.precision.name,
+        "model": cfg.model.name,
+        "data": cfg.data.name,
+        "world_size": str(world_size),
+        "overrides": " ".join(overrides),
+    }
+
+
+def _sweep_tags() -> dict[str, str]:
+    parent = os.environ.get(PARENT_RUN_ENV)
+    if not parent:
+        return {}
+    return {"mlflow.parentRunId": parent, "sweep": os.environ.get(SWEEP_NAME_ENV, parent)}
+
+
+def record_failure(
+    cfg: DictConfig, output_dir: str | Path, error: str, tags: Mapping[str, str] | None = None
+) -> str | None:
+    """Keep a job's failure in MLflow: `error.txt` on its run, created FAILED if it never began.
+
+    Returns the run id, or None when the store itself is what failed (nothing can be kept).
+    """
+    tracker = Tracker(cfg.mlflow)
+    try:
+        tracker.connect()
+    except TrackingUnavailableError:
+        return None
+    id_file = Path(output_dir) / RUN_ID_FILE
+    if id_file.is_file():
+        tracker.run_id = id_file.read_text().strip()
+    else:
+        tracker.start(run_name(cfg), {}, tags or {})
+    tracker._client.log_text(tracker.run_id, error, "error.txt")
+    tracker._client.set_terminated(tracker.run_id, status="FAILED")
+    return tracker.run_id
+
+
+# --- sweeps: one parent run per multirun -------------------------------------------------
+
+
+def start_sweep(mlflow_cfg: DictConfig, name: str, grid: Mapping[str, str], sweep_dir: str) -> str:
+    """Open the parent run of a sweep and hand it to the sweep's jobs; returns its run id."""
+    from mlflow.entities import Param
+
+    tracker = Tracker(mlflow_cfg)
+    tracker.connect()
+    client = tracker._client
+    tags = {"accelexp.sweep": "true", "sweep_dir": sweep_dir, **_git_tags()}
+    run_id = client.create_run(tracker.experiment_id, run_name=name, tags=tags).info.run_id
+    items = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in grid.items()]
+    for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
+    os.environ[PARENT_RUN_ENV] = run_id
+    os.environ[SWEEP_NAME_ENV] = name
+    return run_id
+
+
+def end_sweep(mlflow_cfg: DictConfig, run_id: str) -> tuple[int, int, str]:
+    """Close the parent, FAILED if any child failed. Returns (children, failed, UI links)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_cfg.tracking_uri)
+    experiment_id = client.get_run(run_id).info.experiment_id
+    children = client.search_runs(
+        [experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'", max_results=10000
+    )
+    failed = sum(child.info.status == "FAILED" for child in children)
+    client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
+    os.environ.pop(PARENT_RUN_ENV, None)
+    os.environ.pop(SWEEP_NAME_ENV, None)
+    return len(children), failed, where_to_look(mlflow_cfg.tracking_uri, experiment_id, run_id)
 
 
 def _git_tags() -> dict[str, str]:

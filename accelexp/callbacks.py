@@ -1,0 +1,70 @@
+"""Hydra callbacks (registered under `hydra.callbacks` in conf/config.yaml).
+
+`MlflowSweep` gives every multirun one MLflow parent run: opened before the first job (named from
+the sweep's overrides, tagged with the sweep dir, the override grid as params), handed to the jobs
+through the environment so each job's run — in this process, in worker processes or in a
+submitit/Slurm job — is its child; closed after the last job with a summary table and plots as
+artifacts, FAILED if any child failed. A single run has no parent.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+# children of the last sweep that FAILED: `run.py` exits non-zero after a sweep with failures
+failed_in_last_sweep = 0
+
+
+def sweep_grid(config: DictConfig) -> dict[str, str]:
+    """The sweep's settings: `hydra.sweeper.params` of an experiment file, then the command
+    line's overrides (which win), e.g. {"parallelism.nprocs": "1,2", "precision": "fp32,amp"}."""
+    params = config.hydra.sweeper.get("params") or {}
+    grid = {str(k): str(v) for k, v in params.items()}
+    for override in config.hydra.overrides.task:
+        key, _, value = override.partition("=")
+        if value and not key.startswith("~"):
+            grid[key.lstrip("+")] = value
+    return grid
+
+
+def sweep_name(grid: dict[str, str]) -> str:
+    """Named by what it sweeps: `sweep parallelism.nprocs=1,2 precision=fp32,amp`."""
+    named = {k: v for k, v in grid.items() if not k.startswith(("hydra.", "mlflow."))}
+    swept = {k: v for k, v in named.items() if "," in v} or named
+    return " ".join(["sweep", *(f"{k}={v}" for k, v in swept.items())])
+
+
+class MlflowSweep(Callback):
+    def __init__(self) -> None:
+        self.run_id: str | None = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from accelexp.tracking.runs import start_sweep
+
+        grid = sweep_grid(config)
+        self.run_id = start_sweep(config.mlflow, sweep_name(grid), grid, config.hydra.sweep.dir)
+        log.info("MLflow parent run %s for this sweep", self.run_id)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.run_id is None:
+            return
+        from accelexp.tracking.runs import end_sweep
+
+        report_dir = Path(config.hydra.sweep.dir) / "report"
+        try:
+            from accelexp.report import write_sweep_report
+
+            paths = write_sweep_report(config.mlflow.tracking_uri, self.run_id, report_dir)
+            log.info("Sweep summary: %s", ", ".join(str(p) for p in paths))
+        except Exception as error:  # a report problem must not lose the sweep's runs
+            log.warning("Could not write the sweep's summary: %s", error)
+        global failed_in_last_sweep
+        children, failed_in_last_sweep, links = end_sweep(config.mlflow, self.run_id)
+        log.info("Sweep done: %d runs, %d failed. %s", children, failed_in_last_sweep, links)

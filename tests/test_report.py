@@ -1,0 +1,507 @@
+"""The report: numbers computed by hand from known histories, read back from a real SQLite store.
+
+The store is written with MlflowClient the way accelexp writes it (tags, params, per-epoch
+histories, final metrics, a sweep parent with children, a FAILED child with error.txt). Every
+first epoch is deliberately off (warm-up), so a report that does not skip it gets other numbers.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import new_store
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, Run
+
+from accelexp.report import (
+    BaselineError,
+    compare,
+    main,
+    throughput,
+    to_csv,
+    to_json,
+    to_markdown,
+    write_sweep_report,
+)
+from accelexp.tracking import query
+from accelexp.tracking.query import RunRecord
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+REPORT_FILES = {
+    "summary.csv",
+    "summary.md",
+    "throughput.png",
+    "efficiency.png",
+    "accuracy_vs_time.png",
+}
+
+
+# --- the store ----------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """One job's run: samples/s per epoch (epoch 1 is warm-up), peak memory per epoch."""
+
+    name: str
+    parallelism: str
+    world_size: int
+    precision: str
+    samples_per_s: list[float]
+    status: str = "FINISHED"
+    peak_mem_mb: list[float] | None = None
+    final: dict[str, float] = field(
+        default_factory=lambda: {"best_val_acc": 0.9, "test_acc": 0.88, "total_time_s": 40.0}
+    )
+
+
+REACHED = {"best_val_acc": 0.72, "test_acc": 0.71, "total_time_s": 40.0, "time_to_target_s": 25.0}
+DDP_SWEEP = [  # medians of epochs 2..: 100, 155, 180, 290
+    Job("ddp1-fp32", "ddp", 1, "fp32", [50, 100, 110, 90], peak_mem_mb=[100, 120, 110, 115],
+        final=REACHED),
+    Job("ddp1-amp", "ddp", 1, "amp", [80, 150, 160], peak_mem_mb=[60, 70, 65]),
+    Job("ddp2-fp32", "ddp", 2, "fp32", [10, 180, 190, 170]),
+    Job("ddp2-amp", "ddp", 2, "amp", [20, 300, 280, 290]),
+    Job("ddp4-fp32", "ddp", 4, "fp32", [333], status="FAILED"),
+]  # fmt: skip
+LONE = Job("single-fp32", "single", 1, "fp32", [30, 90])
+TWO_WORKERS_SWEEP = [
+    Job("ws2-fp32", "ddp", 2, "fp32", [5, 200, 200]),
+    Job("ws2-amp", "ddp", 2, "amp", [5, 300, 300]),
+]
+
+
+def log_job(
+    client: MlflowClient, experiment_id: str, job: Job, start: int, parent: Run | None = None
+) -> str:
+    """`job`'s run as accelexp logs it (a child of `parent` when given); returns its id."""
+    tags = {
+        "parallelism": job.parallelism,
+        "precision": job.precision,
+        "model": "simple_cnn",
+        "data": "synthetic",
+        "world_size": str(job.world_size),
+    }
+    if parent is not None:
+        tags |= {"mlflow.parentRunId": parent.info.run_id, "sweep": parent.info.run_name}
+    run_id = client.create_run(experiment_id, start, tags, job.name).info.run_id
+    params = {
+        "world_size": job.world_size,
+        "parallelism.name": job.parallelism,
+        "parallelism.nprocs": job.world_size,
+        "precision.name": job.precision,
+        "model.name": "simple_cnn",
+        "data.name": "synthetic",
+    }
+    peaks = job.peak_mem_mb or [100.0] * len(job.samples_per_s)
+    metrics = []
+    for epoch, (samples, peak) in enumerate(zip(job.samples_per_s, peaks, strict=True), 1):
+        at = start + epoch
+        metrics += [
+            Metric("samples_per_s", samples, at, epoch),
+            Metric("val_acc", 0.5 + 0.1 * epoch, at, epoch),
+            Metric("elapsed_s", 10.0 * epoch, at, epoch),
+            Metric("peak_mem_mb", peak, at, epoch),
+        ]
+    if job.status == "FINISHED":
+        metrics += [Metric(k, v, start + 99, 0) for k, v in job.final.items()]
+    client.log_batch(run_id, metrics=metrics, params=[Param(k, str(v)) for k, v in params.items()])
+    client.set_terminated(run_id, status=job.status)
+    return run_id
+
+
+def log_sweep(
+    client: MlflowClient, experiment_id: str, name: str, start: int, grid: dict, jobs: list[Job]
+) -> tuple[str, dict[str, str]]:
+    """A sweep's parent run and its children; returns (parent id, {job name: run id})."""
+    tags = {"accelexp.sweep": "true", "sweep_dir": f"outputs/multirun/{name}"}
+    parent = client.create_run(experiment_id, start, tags, name)
+    client.log_batch(parent.info.run_id, params=[Param(k, v) for k, v in grid.items()])
+    client.set_terminated(parent.info.run_id)
+    ids = {}
+    for i, job in enumerate(jobs, 1):
+        ids[job.name] = log_job(client, experiment_id, job, start + i, parent)
+    return parent.info.run_id, ids
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, mlflow_template_db):
+    """Experiments `scaling` (DDP_SWEEP, whose last job FAILED, and the LONE run, newer than the
+    sweep), `other` (the newest sweep: two workers only, so no default baseline) and `empty`."""
+    home = tmp_path_factory.mktemp("report-store")
+    uri = new_store(home, mlflow_template_db)
+    client = MlflowClient(tracking_uri=uri)
+
+    def experiment(name: str) -> str:
+        return client.create_experiment(name, (home / "mlartifacts" / name).as_uri())
+
+    scaling, other = experiment("scaling"), experiment("other")
+    experiment("empty")
+    grid = {"parallelism.nprocs": "1,2", "precision": "fp32,amp"}
+    sweep, ids = log_sweep(client, scaling, "ddp-sweep", 1000, grid, DDP_SWEEP)
+    error = home / "error.txt"
+    error.write_text("RuntimeError: worker 3 ran out of memory\n")
+    client.log_artifact(ids["ddp4-fp32"], str(error))
+    ids[LONE.name] = log_job(client, scaling, LONE, start=5000)
+    two = {"precision": "fp32,amp"}
+    newest, _ = log_sweep(client, other, "ws2-only", 2000, two, TWO_WORKERS_SWEEP)
+    return {"uri": uri, "sweep": sweep, "newest": newest, "ids": ids}
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- compare(): pure, on hand-made records ------------------------------------------------------
+def record(
+    name, parallelism, world_size, precision, samples, *, model="m", status="FINISHED", start=0
+) -> RunRecord:
+    return RunRecord(
+        run_id=f"id-{name}",
+        name=name,
+        status=status,
+        start_time=start,
+        tags={
+            "parallelism": parallelism,
+            "precision": precision,
+            "model": model,
+            "data": "d",
+            "world_size": str(world_size),
+        },
+        metrics={"best_val_acc": 0.9, "test_acc": 0.85},
+        histories={"samples_per_s": list(enumerate(samples, start=1))},
+    )
+
+
+def test_throughput_is_the_median_after_the_first_epoch():
+    assert throughput(record("a", "ddp", 1, "fp32", [1000, 10, 30, 20])) == 20
+    assert throughput(record("b", "ddp", 1, "fp32", [1000, 10])) == 10
+    assert throughput(record("c", "ddp", 1, "fp32", [7])) == 7  # one epoch: use it
+    assert throughput(record("d", "ddp", 1, "fp32", [])) is None
+
+
+def test_each_parallelism_is_compared_with_its_own_one_worker_run():
+    rows = compare(
+        [
+            record("hvd2", "horovod", 2, "fp32", [1, 120, 120]),
+            record("ddp1", "ddp", 1, "fp32", [1, 100, 100], start=5),  # the newest baseline
+            record("hvd1", "horovod", 1, "fp32", [1, 80, 80]),
+            record("ddp2", "ddp", 2, "fp32", [1, 180, 180]),
+        ]
+    )
+    by_name = {row.run_name: row for row in rows}
+    assert [row.run_name for row in rows] == ["ddp1", "ddp2", "hvd1", "hvd2"]
+    assert by_name["hvd2"].baseline_run == "hvd1"
+    assert by_name["hvd2"].speedup == pytest.approx(1.5)  # 120/80, not 120/100
+    assert by_name["hvd2"].scaling_efficiency == pytest.approx(0.75)
+    assert by_name["ddp2"].baseline_run == "ddp1"
+    assert by_name["ddp2"].speedup == pytest.approx(1.8)
+    assert by_name["ddp2"].scaling_efficiency == pytest.approx(0.9)
+
+
+def test_a_baseline_of_the_same_model_wins_over_the_same_parallelism():
+    rows = compare(
+        [
+            record("big-single", "single", 1, "fp32", [1, 50, 50], model="big"),
+            record("small-ddp1", "ddp", 1, "fp32", [1, 400, 400], model="small"),
+            record("big-ddp2", "ddp", 2, "fp32", [1, 90, 90], model="big"),
+        ]
+    )
+    big = next(row for row in rows if row.run_name == "big-ddp2")
+    assert big.baseline_run == "big-single"
+    assert big.speedup == pytest.approx(1.8)
+
+
+def test_baseline_keys_can_name_any_world_size_and_mixed_precision_gain_needs_same_world():
+    rows = compare(
+        [
+            record("fp32-2", "ddp", 2, "fp32", [0, 200]),
+            record("bf16-2", "ddp", 2, "bf16", [0, 300]),
+            record("bf16-4", "ddp", 4, "bf16", [0, 500]),
+        ],
+        "world_size=2,precision=fp32",
+    )
+    by_name = {row.run_name: row for row in rows}
+    assert by_name["bf16-2"].amp_gain == pytest.approx(1.5)
+    assert by_name["bf16-4"].amp_gain is None  # no fp32 run with 4 workers
+    assert by_name["bf16-4"].speedup == pytest.approx(2.5)
+    assert by_name["bf16-4"].scaling_efficiency == pytest.approx(1.25)  # 2.5 / (4/2)
+    assert by_name["fp32-2"].amp_gain is None
+
+
+def test_no_baseline_is_an_error_listing_the_configurations_unless_lenient():
+    records = [record("two", "ddp", 2, "fp32", [0, 200]), record("amp", "ddp", 2, "amp", [0, 3])]
+    with pytest.raises(BaselineError) as raised:
+        compare(records)
+    message = str(raised.value)
+    assert "world_size=1,precision=fp32" in message
+    assert "parallelism=ddp world_size=2 precision=fp32" in message
+    assert "precision=amp" in message
+    rows = compare(records, strict=False)
+    assert [r.speedup for r in rows] == [None, None]
+    assert rows[1].amp_gain == pytest.approx(3 / 200)
+
+
+def test_a_failed_baseline_does_not_count():
+    records = [
+        record("one", "ddp", 1, "fp32", [0, 100], status="FAILED"),
+        record("two", "ddp", 2, "fp32", [0, 200]),
+    ]
+    with pytest.raises(BaselineError, match=r"not finished with a throughput: one"):
+        compare(records)
+
+
+@pytest.mark.parametrize("selector", ["workers=1", "world_size", "=1", ""])
+def test_a_malformed_baseline_names_the_allowed_keys(selector):
+    with pytest.raises(BaselineError, match="world_size, precision, parallelism, model, data"):
+        compare([record("a", "ddp", 1, "fp32", [1])], selector)
+
+
+# --- reading the store --------------------------------------------------------------------------
+def test_query_reads_sweeps_children_and_histories(store):
+    uri = store["uri"]
+    children = query.child_runs(uri, store["sweep"])
+    assert sorted(r.name for r in children) == [
+        "ddp1-amp",
+        "ddp1-fp32",
+        "ddp2-amp",
+        "ddp2-fp32",
+        "ddp4-fp32",
+    ]
+    runs = query.experiment_runs(uri, query.experiment_id(uri, "scaling"))
+    assert {r.name for r in runs} == {r.name for r in children} | {"single-fp32"}  # no parent
+    assert query.latest_sweep(uri).run_id == store["newest"]
+    assert query.latest_sweep(uri, "scaling").run_id == store["sweep"]
+    assert query.metric_history(uri, store["ids"]["ddp1-fp32"], "samples_per_s") == [
+        (1, 50.0),
+        (2, 100.0),
+        (3, 110.0),
+        (4, 90.0),
+    ]
+    failed = next(r for r in children if r.name == "ddp4-fp32")
+    assert failed.status == "FAILED"
+    assert failed.setting("world_size") == "4"
+
+
+def test_unknown_experiment_lists_the_existing_ones(store):
+    with pytest.raises(query.UnknownExperimentError) as raised:
+        query.experiment_id(store["uri"], "scalling")
+    assert "'scalling'" in str(raised.value)
+    assert "empty, other, scaling" in str(raised.value)
+
+
+# --- the command --------------------------------------------------------------------------------
+def test_sweep_as_csv_with_numbers_computed_by_hand(store, capsys, tmp_path):
+    code, out, _ = run_main(
+        capsys,
+        "--tracking-uri",
+        store["uri"],
+        "--sweep",
+        store["sweep"],
+        "--format",
+        "csv",
+        "--output-dir",
+        str(tmp_path),
+        "--no-plots",
+    )
+    assert code == 0
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert [r["run_name"] for r in rows] == [
+        "ddp1-fp32",
+        "ddp1-amp",
+        "ddp2-fp32",
+        "ddp2-amp",
+        "ddp4-fp32",
+    ]
+    by_name = {r["run_name"]: r for r in rows}
+
+    def number(name: str, column: str) -> float:
+        return float(by_name[name][column])
+
+    # samples/s: medians of epochs 2.. -> 100, 155, 180, 290
+    assert [float(r["samples_per_s"]) for r in rows[:4]] == [100, 155, 180, 290]
+    assert [float(r["speedup"]) for r in rows[:4]] == pytest.approx([1.0, 1.55, 1.8, 2.9])
+    efficiency = [float(r["scaling_efficiency"]) for r in rows[:4]]
+    assert efficiency == pytest.approx([1.0, 1.55, 0.9, 1.45])
+    assert by_name["ddp1-fp32"]["amp_gain"] == ""
+    assert by_name["ddp2-fp32"]["amp_gain"] == ""
+    assert number("ddp1-amp", "amp_gain") == pytest.approx(1.55)
+    assert number("ddp2-amp", "amp_gain") == pytest.approx(290 / 180)
+    assert number("ddp1-fp32", "peak_mem_mb") == 120  # max of the history, not the last
+    assert number("ddp1-amp", "peak_mem_mb") == 70
+    assert number("ddp1-fp32", "best_val_acc") == pytest.approx(0.72)
+    assert number("ddp1-fp32", "test_acc") == pytest.approx(0.71)
+    assert number("ddp1-fp32", "time_to_target_s") == 25
+    assert by_name["ddp1-amp"]["time_to_target_s"] == ""
+    assert {r["baseline_run"] for r in rows[:4]} == {"ddp1-fp32"}
+    failed = by_name["ddp4-fp32"]
+    assert failed["status"] == "FAILED"
+    assert failed["world_size"] == "4"
+    blanks = ("samples_per_s", "speedup", "scaling_efficiency", "test_acc", "peak_mem_mb")
+    assert all(failed[column] == "" for column in blanks)
+    assert (tmp_path / "summary.csv").read_text() == out
+
+
+def test_experiment_as_json_keeps_ddp_on_its_own_baseline(store, capsys, tmp_path):
+    code, out, _ = run_main(
+        capsys,
+        "--tracking-uri",
+        store["uri"],
+        "--experiment",
+        "scaling",
+        "--format",
+        "json",
+        "--output-dir",
+        str(tmp_path),
+        "--no-plots",
+    )
+    assert code == 0
+    rows = json.loads(out)
+    assert rows[0]["run_name"] == "single-fp32"  # single sorts before ddp
+    assert rows[0]["samples_per_s"] == 90
+    assert rows[0]["speedup"] == 1.0
+    ddp2 = next(r for r in rows if r["run_name"] == "ddp2-fp32")
+    assert ddp2["baseline_run"] == "ddp1-fp32"
+    assert ddp2["speedup"] == pytest.approx(1.8)  # not 180/90
+    assert ddp2["world_size"] == 2
+    assert next(r for r in rows if r["status"] == "FAILED")["speedup"] is None
+    assert len(rows) == 6
+
+
+def test_markdown_and_table_formats(store, capsys, tmp_path):
+    base = ["--tracking-uri", store["uri"], "--sweep", store["sweep"], "--no-plots"]
+    code, out, _ = run_main(capsys, *base, "--format", "markdown", "--output-dir", str(tmp_path))
+    assert code == 0
+    lines = out.strip().splitlines()
+    assert len(lines) == 2 + 5
+    assert lines[0].startswith("| run | status | parallelism | workers |")
+    assert "| ddp2-amp | FINISHED | ddp | 2 | amp |" in out
+    assert "2.90×" in out
+    assert "**FAILED**" in out
+    assert (tmp_path / "summary.md").read_text() == out
+
+    code, out, err = run_main(capsys, *base, "--output-dir", str(tmp_path))
+    assert code == 0
+    assert all(name in out for name in ("ddp1-fp32", "ddp2-amp", "ddp4-fp32", "FAILED", "1.55×"))
+    assert f"to {tmp_path}" in err
+    assert "ddp4-fp32" in err and "error.txt" in err
+
+
+def test_plots_are_png_files_and_the_default_folder_is_named_after_the_sweep(
+    store, capsys, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main(
+        capsys,
+        "--tracking-uri",
+        store["uri"],
+        "--experiment",
+        "scaling",
+        "--sweep",
+        "latest",
+        "--format",
+        "csv",
+    )
+    assert code == 0
+    folder = tmp_path / "outputs" / "reports" / "ddp-sweep"
+    assert {p.name for p in folder.iterdir()} == REPORT_FILES
+    for name in ("throughput.png", "efficiency.png", "accuracy_vs_time.png"):
+        assert (folder / name).read_bytes()[:8] == PNG_MAGIC, name
+    assert "outputs/reports/ddp-sweep" in err
+
+
+def test_latest_sweep_overall_and_a_baseline_of_two_workers(store, capsys, tmp_path):
+    code, out, _ = run_main(
+        capsys,
+        "--tracking-uri",
+        store["uri"],
+        "--sweep",
+        "latest",
+        "--baseline",
+        "world_size=2,precision=fp32",
+        "--format",
+        "json",
+        "--output-dir",
+        str(tmp_path),
+    )
+    assert code == 0
+    rows = json.loads(out)
+    assert [r["run_name"] for r in rows] == ["ws2-fp32", "ws2-amp"]
+    assert [r["speedup"] for r in rows] == pytest.approx([1.0, 1.5])
+    assert rows[1]["amp_gain"] == pytest.approx(1.5)
+    # one world size: throughput still plots its points
+    assert (tmp_path / "throughput.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--experiment", "nope"], ["'nope'", "empty, other, scaling"]),
+        (["--experiment", "empty"], ["'empty' has no runs"]),
+        (["--sweep", "latest"], ["world_size=1,precision=fp32", "world_size=2 precision=amp"]),
+        (["--sweep", "0123456789abcdef"], ["No MLflow run with id '0123456789abcdef'"]),
+        (["--experiment", "empty", "--sweep", "latest"], ["No sweep in experiment 'empty'"]),
+        (["--experiment", "scaling", "--baseline", "gpus=1"], ["unknown: gpus"]),
+    ],
+)
+def test_errors_are_one_line_and_exit_2(store, capsys, tmp_path, args, expected):
+    code, out, err = run_main(
+        capsys, "--tracking-uri", store["uri"], "--output-dir", str(tmp_path), *args
+    )
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("accelexp-report: error: ")
+    for text in expected:
+        assert text in err
+    assert not (tmp_path / "summary.csv").exists()
+
+
+def test_a_missing_store_is_reported_not_created(capsys, tmp_path):
+    db = tmp_path / "nowhere.db"
+    code, _, err = run_main(capsys, "--tracking-uri", f"sqlite:///{db}", "--experiment", "x")
+    assert code == 2
+    assert "No MLflow store" in err
+    assert not db.exists()
+
+
+def test_experiment_or_sweep_is_required(capsys):
+    with pytest.raises(SystemExit) as raised:
+        main([])
+    assert raised.value.code == 2
+    assert "--experiment" in capsys.readouterr().err
+
+
+# --- the sweep's own report ---------------------------------------------------------------------
+def test_write_sweep_report_logs_its_files_to_the_parent_run(store, tmp_path):
+    paths = write_sweep_report(store["uri"], store["sweep"], tmp_path / "report")
+    assert {p.name for p in paths} == REPORT_FILES
+    assert all(p.is_file() for p in paths)
+    client = MlflowClient(tracking_uri=store["uri"])
+    logged = {Path(f.path).name for f in client.list_artifacts(store["sweep"], "report")}
+    assert logged == REPORT_FILES
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "report" / "summary.csv").read_text())))
+    assert float(next(r for r in rows if r["run_name"] == "ddp2-fp32")["speedup"]) == 1.8
+
+
+def test_write_sweep_report_without_a_baseline_still_writes_the_table(store, tmp_path):
+    paths = write_sweep_report(store["uri"], store["newest"], tmp_path)
+    names = {p.name for p in paths}
+    assert names == REPORT_FILES - {"efficiency.png"}  # nothing to plot without a baseline
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "summary.csv").read_text())))
+    assert [r["speedup"] for r in rows] == ["", ""]
+    assert float(rows[1]["amp_gain"]) == 1.5
+    client = MlflowClient(tracking_uri=store["uri"])
+    logged = {Path(f.path).name for f in client.list_artifacts(store["newest"], "report")}
+    assert logged == names
+
+
+def test_formats_of_no_rows_are_still_well_formed():
+    assert to_csv([]).splitlines()[0].startswith("run_name,run_id,status,")
+    assert json.loads(to_json([])) == []
+    assert len(to_markdown([]).splitlines()) == 2
