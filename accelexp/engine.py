@@ -10,7 +10,6 @@ the epoch, once, summed over all ranks.
 from __future__ import annotations
 
 import math
-import resource
 import time
 from dataclasses import dataclass
 
@@ -39,13 +38,6 @@ class EpochResult:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """CUDA's peak allocated memory since the last reset, or the process's peak RSS on a CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def batches_per_epoch(num_batches: int, max_steps: int | None) -> int:
@@ -127,7 +119,7 @@ class Trainer:
                 bar.set_postfix(
                     loss=f"{loss_sum.item() / seen:.4f}",
                     acc=f"{correct.item() / seen:.4f}",
-                    img_s=f"{seen * self.strategy.world_size / elapsed:.0f}",
+                    img_s=f"{seen * self.strategy.replicas / elapsed:.0f}",
                     refresh=False,
                 )
         synchronize(self.device)

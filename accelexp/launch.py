@@ -4,8 +4,9 @@
   `parallel/world.py`), or with `nprocs: 1`, the job trains in this process.
 - Otherwise the strategy's real launcher starts `nprocs` workers on this machine: torch's elastic
   launcher (`python -m torch.distributed.run`, i.e. torchrun) for DDP, `horovodrun --gloo` for
-  Horovod. Each worker runs `python -m accelexp.worker SPEC_DIR` on the *resolved* config saved
-  there: workers do not re-run Hydra nor make output folders of their own.
+  Horovod, and its engine's for `hybrid`. Each worker runs `python -m accelexp.worker SPEC_DIR`
+  on the *resolved* config saved there: workers do not re-run Hydra nor make output folders of
+  their own.
 
 A worker that fails brings the job down: the launcher stops the others, the job exits non-zero
 with that worker's error, and the whole process group is killed so nothing is left running.
@@ -58,23 +59,25 @@ def launch(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = (
         return run(cfg, output_dir, overrides)
     if nprocs == 1:
         return run(cfg, output_dir, overrides)
-    launcher = strategy_class(cfg.parallelism.name).launcher
-    if launcher is None:
+    strategy = strategy_class(cfg.parallelism)
+    if strategy.launcher is None:
         raise ConfigError(
             f"parallelism={cfg.parallelism.name} runs in one process, but parallelism.nprocs="
-            f"{nprocs}: use parallelism=ddp or parallelism=horovod for several workers."
+            f"{nprocs}: use parallelism=ddp, horovod or hybrid for several workers."
         )
     gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
-    if gpus and nprocs > gpus:
+    per_worker = strategy.devices_per_worker(cfg.parallelism)
+    if gpus and nprocs * per_worker > gpus:
         raise AccelexpError(
-            f"parallelism.nprocs={nprocs} workers, one per GPU, but this machine has {gpus} "
-            f"GPU(s). Use parallelism.nprocs<={gpus}, or device=cpu."
+            f"parallelism.nprocs={nprocs} workers with {per_worker} GPU(s) each, but this "
+            f"machine has {gpus} GPU(s). Use parallelism.nprocs<={gpus // per_worker}, "
+            f"or device=cpu."
         )
     cfg = cfg.copy()
     if cfg.threads is None and not gpus:  # workers share this machine's cores
         cfg.threads = max(1, len(os.sched_getaffinity(0)) // nprocs)
     spec = _write_spec(cfg, output_dir, overrides)
-    command = LAUNCHERS[launcher](cfg.parallelism, spec)
+    command = LAUNCHERS[strategy.launcher](cfg.parallelism, spec)
     log.info("Starting %d %s workers: %s", nprocs, cfg.parallelism.name, " ".join(command))
     returncode = _run_process_group(command, threads=cfg.threads)
     if returncode != 0:

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from accelexp.config import ConfigError, validate
 from accelexp.data import BatchLoader, DataBundle, build_data
-from accelexp.engine import Trainer, optimizer_steps_per_epoch, peak_memory_mb
+from accelexp.engine import Trainer, optimizer_steps_per_epoch
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
 from accelexp.parallel import build_strategy
@@ -117,7 +117,10 @@ def _run(
     if cfg.debug.raise_on_rank == strategy.rank:
         train_loader = FailingLoader(train_loader, cfg.debug.raise_at_step, strategy.rank)
     model = strategy.wrap_model(
-        build_model(cfg.model, data.in_channels, data.num_classes, data.image_size)
+        build_model(cfg.model, data.in_channels, data.num_classes, data.image_size),
+        example=torch.randn(
+            cfg.data.batch_size, data.in_channels, data.image_size, data.image_size
+        ),  # a batch's shape, for strategies that time the model (parallelism.balance=compute)
     )
     optimizer = strategy.wrap_optimizer(
         build_optimizer(cfg.optimizer, model.parameters(), strategy.scale_lr(cfg.optimizer.lr)),
@@ -184,8 +187,7 @@ def _fit(
     best_val_acc, time_to_target = -1.0, None
     run_start = time.perf_counter()
     for epoch in range(1, cfg.epochs + 1):
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+        strategy.reset_memory_stats()
         lr = trainer.optimizer.param_groups[0]["lr"]
         train = trainer.train_epoch(train_loader, epoch)
         val_loss, val_acc = trainer.evaluate(val_loader)
@@ -199,7 +201,7 @@ def _fit(
             "epoch_time_s": train.seconds,
             "samples_per_s": train.samples_per_s,
             "samples_per_s_per_device": train.samples_per_s / strategy.num_devices,
-            "peak_mem_mb": peak_memory_mb(device),
+            **strategy.memory_metrics(),
             "grad_scale": trainer.precision.grad_scale(),
             "elapsed_s": elapsed,
         }

@@ -16,35 +16,25 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, compose_config, new_store, output_of, run_cli
+from conftest import (
+    EXACT,
+    REPO,
+    assert_same_params,
+    compose_config,
+    final_params,
+    new_store,
+    output_of,
+    run_cli,
+)
 from mlflow import MlflowClient
 
 from accelexp.config import ConfigError
 from accelexp.launch import WorkerFailedError, launch
 from accelexp.parallel import build_strategy
 from accelexp.parallel.base import ShardSampler
-from accelexp.parallel.world import World, current_world, free_port
+from accelexp.parallel.world import World, WorldShape, current_world, free_port
 
-# No dropout and no augmentation: the only randomness left is the data order, which every
-# strategy draws from the same seeded permutation (see Strategy.train_sampler).
-EXACT = (
-    "model.dropout=0",
-    "data.augment=false",
-    "parallelism.lr_scaling=none",
-    "epochs=1",
-    "data.num_train=512",  # enough for 4 full steps of 64
-)
 STRATEGIES = ("ddp", "horovod")
-
-
-def final_params(output_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(output_dir / "checkpoints" / "best.pt", weights_only=True)["model"]
-
-
-def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +275,9 @@ def test_a_taken_master_port_is_one_clear_message(tmp_path, compose_cfg):
 
 
 def test_several_workers_need_a_multi_process_strategy(compose_cfg, tmp_path):
-    with pytest.raises(ConfigError, match="parallelism=ddp or parallelism=horovod"):
+    with pytest.raises(
+        ConfigError, match="use parallelism=ddp, horovod or hybrid for several workers"
+    ):
         launch(compose_cfg("parallelism.nprocs=2"), tmp_path / "out")
 
 
@@ -319,7 +311,7 @@ def test_the_world_is_read_from_the_launchers_environment(env, expected):
 @pytest.mark.parametrize(("rule", "expected"), [("linear", 0.8), ("sqrt", 0.4), ("none", 0.2)])
 def test_lr_scaling_rules(compose_cfg, rule, expected):
     strategy = build_strategy(compose_cfg("parallelism=ddp", f"parallelism.lr_scaling={rule}"))
-    strategy.world_size = 2
+    strategy.shape = WorldShape(replicas=2)
     strategy.cfg.accumulate_steps = 2  # 4 times the samples per step
     assert strategy.scale_lr(0.2) == pytest.approx(expected)
 

@@ -107,6 +107,35 @@ class HorovodConfig(ParallelismConfig):
     op: str = "average"  # average | adasum
 
 
+@dataclass
+class PipelineFields:
+    """How a model is cut into stages and fed with micro-batches (model and hybrid)."""
+
+    stages: int | None = 2
+    chunks: int = 1  # micro-batches per batch (GPipe); 1: plain sequential model parallelism
+    balance: str = "params"  # params | compute (measured forward time per layer)
+    split_points: list[int] | None = None  # layer indices starting stages 1..; None: balanced
+
+
+@dataclass
+class ModelParallelConfig(PipelineFields, ParallelismConfig):
+    """One process; stage k on devices[k % len(devices)] (None: one GPU each, or the CPU)."""
+
+    name: str = "model"
+    devices: list[str] | None = None
+
+
+@dataclass
+class HybridConfig(PipelineFields, HorovodConfig, DDPConfig):
+    """`nprocs` replicas, each a model-parallel pipeline over `devices_per_replica` devices."""
+
+    name: str = "hybrid"
+    nprocs: int = 2
+    engine: str = "ddp"  # ddp | horovod: what keeps the replicas in sync
+    devices_per_replica: int = 2
+    stages: int | None = None  # None: one stage per device of the replica
+
+
 # --- optimizer -----------------------------------------------------------------------------
 
 
@@ -212,6 +241,8 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "dp": DataParallelConfig,
         "ddp": DDPConfig,
         "horovod": HorovodConfig,
+        "model": ModelParallelConfig,
+        "hybrid": HybridConfig,
     },
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
     "scheduler": {

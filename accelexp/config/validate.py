@@ -7,6 +7,7 @@ value and what is allowed, so a typo costs one run of `python run.py`, not an ho
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -65,9 +66,19 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
         ),
         (
             "parallelism.devices",
-            lambda v: v is None or (len(v) >= 1 and min(v) >= 0),
-            "null or GPU ids >= 0",
+            lambda v: v is None or (len(v) >= 1 and all(isinstance(d, str) or d >= 0 for d in v)),
+            "null or a non-empty list of devices",
         ),
+        ("parallelism.stages", *optional_at_least_one),
+        ("parallelism.chunks", *at_least_one),
+        ("parallelism.balance", lambda v: v in ("params", "compute"), "params or compute"),
+        (
+            "parallelism.split_points",
+            lambda v: v is None or (all(b > a for a, b in pairwise(v)) and min(v, default=1) > 0),
+            "null or strictly increasing layer indices >= 1, e.g. [4, 9]",
+        ),
+        ("parallelism.engine", lambda v: v in ("ddp", "horovod"), "ddp or horovod"),
+        ("parallelism.devices_per_replica", *at_least_one),
         ("debug.raise_at_step", *at_least_one),
         ("optimizer.lr", *positive),
         ("optimizer.weight_decay", *non_negative),
@@ -108,9 +119,38 @@ def validate(cfg: DictConfig) -> None:
             f"  scheduler.warmup_epochs={cfg.scheduler.warmup_epochs} must be shorter than "
             f"epochs={cfg.epochs}."
         )
+    problems += _pipeline_problems(cfg.parallelism, cfg.data.batch_size)
     if problems:
         raise ConfigError(
             "Invalid configuration:\n" + "\n".join(problems) + "\n"
             "Fix the override(s) above, e.g. `python run.py data.batch_size=128`; "
             "`python run.py --cfg job` prints the composed config."
         )
+
+
+def _pipeline_problems(parallelism: DictConfig, batch_size: int) -> list[str]:
+    """Keys of `model` and `hybrid` that only make sense together."""
+    if "chunks" not in parallelism:
+        return []
+    problems = []
+    chunks, stages = parallelism.chunks, parallelism.stages
+    if chunks >= 1 and (chunks > batch_size or batch_size % chunks):
+        divisors = [c for c in range(1, min(batch_size, 64) + 1) if batch_size % c == 0]
+        problems.append(
+            f"  parallelism.chunks={chunks} does not cut data.batch_size={batch_size} into equal "
+            f"micro-batches: use chunks in {divisors} or a batch size divisible by {chunks}."
+        )
+    split_points = parallelism.split_points
+    if split_points is not None and stages is not None and len(split_points) != stages - 1:
+        problems.append(
+            f"  parallelism.split_points={list(split_points)} gives {len(split_points) + 1} "
+            f"stages, but parallelism.stages={stages}: give {stages - 1} split point(s) or set "
+            f"parallelism.stages={len(split_points) + 1}."
+        )
+    per_replica = parallelism.get("devices_per_replica")
+    if per_replica and stages is not None and stages < per_replica:
+        problems.append(
+            f"  parallelism.stages={stages} is fewer than parallelism.devices_per_replica="
+            f"{per_replica}: some devices would sit idle. Use stages>={per_replica} or null."
+        )
+    return problems

@@ -1,6 +1,8 @@
 """Model registry: `build_model(cfg.model, in_channels, num_classes, image_size)`.
 
 Input channels, class count and image size come from the data, never from the user.
+`layer_sequence(model)` lists a model as the layers whose composition is its forward pass: what
+model parallelism cuts into stages.
 """
 
 from __future__ import annotations
@@ -8,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch.nn as nn
+import torchvision
 from omegaconf import DictConfig
 
 from accelexp.config import ConfigError
-from accelexp.models.resnet import build_resnet
+from accelexp.models.resnet import build_resnet, resnet_layers
 from accelexp.models.simple_cnn import SimpleCNN
 
 Builder = Callable[[DictConfig, int, int, int], nn.Module]
@@ -29,3 +32,25 @@ def build_model(cfg: DictConfig, in_channels: int, num_classes: int, image_size:
     if cfg.name not in MODELS:
         raise ConfigError(f"model.name={cfg.name!r} is unknown: expected one of {sorted(MODELS)}")
     return MODELS[cfg.name](cfg, in_channels, num_classes, image_size)
+
+
+def layer_sequence(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, layer) pairs such that applying the layers in order is `model(x)`.
+
+    An `nn.Sequential` is its children, nested Sequentials (e.g. a stage of blocks) opened up;
+    a torchvision ResNet is its stem, its residual blocks one by one, and its head.
+    """
+    if isinstance(model, torchvision.models.ResNet):
+        return resnet_layers(model)
+    if isinstance(model, nn.Sequential):
+        layers = []
+        for name, child in model.named_children():
+            if isinstance(child, nn.Sequential):
+                layers += [(f"{name}.{inner}", layer) for inner, layer in layer_sequence(child)]
+            else:
+                layers.append((name, child))
+        return layers
+    raise ConfigError(
+        f"a {type(model).__name__} cannot be split into stages: model parallelism splits an "
+        f"nn.Sequential (e.g. model=simple_cnn) or a ResNet (model=resnet18, model=resnet50)."
+    )

@@ -45,3 +45,11 @@ def build_resnet(
         model.conv1 = nn.Conv2d(in_channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
     model.fc = nn.Linear(model.fc.in_features, num_classes)
     return model
+
+
+def resnet_layers(model: torchvision.models.ResNet) -> list[tuple[str, nn.Module]]:
+    """The ResNet's forward as a sequence: stem, each residual block, pooling, flatten, head."""
+    layers = [(name, getattr(model, name)) for name in ("conv1", "bn1", "relu", "maxpool")]
+    for stage in ("layer1", "layer2", "layer3", "layer4"):
+        layers += [(f"{stage}.{i}", block) for i, block in enumerate(getattr(model, stage))]
+    return [*layers, ("avgpool", model.avgpool), ("flatten", nn.Flatten(1)), ("fc", model.fc)]

@@ -18,17 +18,20 @@ STRATEGIES = {
     "dp": "accelexp.parallel.dp:DataParallel",
     "ddp": "accelexp.parallel.ddp:DDP",
     "horovod": "accelexp.parallel.horovod:Horovod",
+    "model": "accelexp.parallel.model:ModelParallel",
+    "hybrid": "accelexp.parallel.hybrid:Hybrid",
 }
 
 
-def strategy_class(name: str) -> type[Strategy]:
-    if name not in STRATEGIES:
+def strategy_class(cfg: DictConfig) -> type[Strategy]:
+    """The class that runs the `parallelism` config `cfg`."""
+    if cfg.name not in STRATEGIES:
         raise ConfigError(
-            f"parallelism.name={name!r} is unknown: expected one of {sorted(STRATEGIES)}"
+            f"parallelism.name={cfg.name!r} is unknown: expected one of {sorted(STRATEGIES)}"
         )
-    module, cls = STRATEGIES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    module, cls = STRATEGIES[cfg.name].split(":")
+    return getattr(importlib.import_module(module), cls).for_config(cfg)
 
 
 def build_strategy(cfg: DictConfig) -> Strategy:
-    return strategy_class(cfg.parallelism.name)(cfg.parallelism, cfg.device)
+    return strategy_class(cfg.parallelism)(cfg.parallelism, cfg.device)

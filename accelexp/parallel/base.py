@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import resource
 
 import torch
 import torch.nn as nn
@@ -16,6 +17,7 @@ from omegaconf import DictConfig
 from torch.utils.data import DistributedSampler, Sampler
 
 from accelexp.errors import AccelexpError
+from accelexp.parallel.world import WorldShape
 from accelexp.precision import Precision
 
 
@@ -31,6 +33,13 @@ def resolve_device(request: str, local_rank: int = 0) -> torch.device:
             "use device=cpu or device=auto."
         )
     return torch.device("cpu")
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """CUDA's peak allocated memory since the last reset, or the process's peak RSS on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 class ShardSampler(Sampler[int]):
@@ -56,19 +65,49 @@ class Strategy:
     def __init__(self, cfg: DictConfig, device: str = "auto") -> None:
         self.cfg = cfg
         self.device_request = device
-        self.world_size = 1
-        self.rank = 0
-        self.local_rank = 0
-        self.device = torch.device("cpu")
+        self.shape = WorldShape()
+        self.device = torch.device("cpu")  # where inputs go: the (first stage's) device
+
+    @classmethod
+    def for_config(cls, cfg: DictConfig) -> type[Strategy]:
+        """The class that runs `cfg` (a strategy with several engines picks one here)."""
+        return cls
+
+    @classmethod
+    def devices_per_worker(cls, cfg: DictConfig) -> int:
+        """GPUs each worker process takes, for the launcher's check of what the machine has."""
+        return 1
 
     # --- lifecycle ---------------------------------------------------------------------------
     def setup(self) -> None:
+        self.place_devices()
+
+    def place_devices(self) -> None:
+        """Choose this process's device(s), once the world's shape is known."""
         self.device = resolve_device(self.device_request, self.local_rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
     def teardown(self) -> None:
         pass
+
+    # --- the world's shape (see WorldShape) ---------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.shape.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.shape.local_rank
+
+    @property
+    def replicas(self) -> int:
+        """Processes training on different samples, each with a copy of the model."""
+        return self.shape.replicas
+
+    @property
+    def world_size(self) -> int:
+        return self.shape.world_size
 
     @property
     def is_main(self) -> bool:
@@ -77,7 +116,7 @@ class Strategy:
     @property
     def num_devices(self) -> int:
         """Devices doing the work (the per-device throughput divides by this)."""
-        return self.world_size
+        return self.shape.world_size
 
     @property
     def accumulate_steps(self) -> int:
@@ -86,14 +125,28 @@ class Strategy:
     def describe(self) -> dict[str, int | str]:
         """Facts about the world that are logged with the run."""
         return {
-            "world_size": self.world_size,
+            **self.shape.describe(),
             "num_devices": self.num_devices,
             "device_type": self.device.type,
         }
 
+    # --- memory ------------------------------------------------------------------------------
+    def reset_memory_stats(self) -> None:
+        """Start a new peak (called at each epoch's start)."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def memory_metrics(self) -> dict[str, float]:
+        """Peak memory since the last reset, logged each epoch."""
+        return {"peak_mem_mb": peak_memory_mb(self.device)}
+
     # --- model and optimizer ----------------------------------------------------------------
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def place(self, model: nn.Module, example: torch.Tensor | None = None) -> nn.Module:
+        """Put the model on this process's device(s); `example` is one input batch (on the CPU)."""
         return model.to(self.device)
+
+    def wrap_model(self, model: nn.Module, example: torch.Tensor | None = None) -> nn.Module:
+        return self.place(model, example)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module, e.g. for saving a checkpoint that loads anywhere."""
@@ -101,7 +154,7 @@ class Strategy:
 
     def scale_lr(self, lr: float) -> float:
         """`parallelism.lr_scaling` with the number of samples per optimizer step."""
-        factor = self.world_size * self.accumulate_steps
+        factor = self.replicas * self.accumulate_steps
         return lr * {"linear": factor, "sqrt": math.sqrt(factor), "none": 1}[self.cfg.lr_scaling]
 
     def wrap_optimizer(
@@ -126,7 +179,7 @@ class Strategy:
         """
         return DistributedSampler(
             range(num_samples),
-            num_replicas=self.world_size,
+            num_replicas=self.replicas,
             rank=self.rank,
             shuffle=True,
             seed=seed,
@@ -134,7 +187,7 @@ class Strategy:
 
     def eval_sampler(self, num_samples: int) -> Sampler[int]:
         """This rank's share of an evaluation set: each sample once over all ranks, no padding."""
-        return ShardSampler(num_samples, self.world_size, self.rank)
+        return ShardSampler(num_samples, self.replicas, self.rank)
 
     # --- collectives -------------------------------------------------------------------------
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,8 @@ from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
 from accelexp.errors import AccelexpError
-from accelexp.parallel.base import Strategy, resolve_device
-from accelexp.parallel.world import current_world, free_port, slurm_master_addr
+from accelexp.parallel.base import Strategy
+from accelexp.parallel.world import WorldShape, current_world, free_port, slurm_master_addr
 
 TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -36,10 +36,10 @@ class DDP(Strategy):
 
     def setup(self) -> None:
         world = current_world()
-        self.rank, self.world_size, self.local_rank = world.rank, world.world_size, world.local_rank
-        self.device = resolve_device(self.device_request, self.local_rank)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.shape = WorldShape(
+            replicas=world.world_size, rank=world.rank, local_rank=world.local_rank
+        )
+        self.place_devices()
         backend = self.cfg.backend
         if backend == "auto":
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -50,12 +50,12 @@ class DDP(Strategy):
                     backend,
                     init_method=init_method,
                     rank=self.rank,
-                    world_size=self.world_size,
+                    world_size=self.replicas,
                     timeout=TIMEOUT,
                 )
             except (RuntimeError, dist.DistStoreError) as error:
                 raise AccelexpError(
-                    f"DDP could not form its world of {self.world_size} at {init_method} "
+                    f"DDP could not form its world of {self.replicas} at {init_method} "
                     f"({error}). If the port is taken, set parallelism.master_port to a free one "
                     f"(or unset MASTER_PORT)."
                 ) from error
@@ -75,13 +75,17 @@ class DDP(Strategy):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def wrap_model(self, model: nn.Module, example: torch.Tensor | None = None) -> nn.Module:
         if self.cfg.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        model = model.to(self.device)
+        model = self.place(model, example)
+        devices = {p.device for p in model.parameters()}
         ddp = DistributedDataParallel(
             model,
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            # one GPU: its id; a CPU module or one spread over several devices: None
+            device_ids=[self.device.index]
+            if devices == {self.device} and self.device.type == "cuda"
+            else None,
             bucket_cap_mb=self.cfg.bucket_cap_mb,
             static_graph=self.cfg.static_graph,
             find_unused_parameters=self.cfg.find_unused_parameters,

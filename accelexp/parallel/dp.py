@@ -41,8 +41,8 @@ class DataParallel(Strategy):
     def num_devices(self) -> int:
         return max(1, len(self.device_ids))
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
+    def wrap_model(self, model: nn.Module, example: torch.Tensor | None = None) -> nn.Module:
+        model = self.place(model, example)
         if len(self.device_ids) > 1:
             return nn.DataParallel(model, device_ids=self.device_ids)
         return model

@@ -19,8 +19,8 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from accelexp.errors import AccelexpError
-from accelexp.parallel.base import Strategy, resolve_device
-from accelexp.parallel.world import current_world
+from accelexp.parallel.base import Strategy
+from accelexp.parallel.world import WorldShape, current_world
 from accelexp.precision import Precision
 
 SETUP_HINT = "Run the setup, which builds it against the installed torch: `make setup`."
@@ -48,18 +48,16 @@ class Horovod(Strategy):
     def setup(self) -> None:
         hvd = self.hvd
         hvd.init()
-        self.rank, self.world_size, self.local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
+        self.shape = WorldShape(replicas=hvd.size(), rank=hvd.rank(), local_rank=hvd.local_rank())
         world = current_world()
-        if world.world_size != self.world_size:  # e.g. srun tasks of a Gloo-only Horovod
+        if world.world_size != self.replicas:  # e.g. srun tasks of a Gloo-only Horovod
             raise AccelexpError(
                 f"{world.source} started {world.world_size} processes, but Horovod formed a world "
-                f"of {self.world_size}: this Horovod cannot join a {world.source} world (that "
+                f"of {self.replicas}: this Horovod cannot join a {world.source} world (that "
                 f"needs an MPI build). Start the job with horovodrun instead, e.g. inside the "
                 f"allocation: horovodrun -np {world.world_size} -H <hosts> python run.py ..."
             )
-        self.device = resolve_device(self.device_request, self.local_rank)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        self.place_devices()
 
     def teardown(self) -> None:
         self.hvd.shutdown()
@@ -68,8 +66,8 @@ class Horovod(Strategy):
         # Adasum adapts the combined step itself: Horovod's examples do not scale its lr by size
         return lr if self.cfg.op == "adasum" else super().scale_lr(lr)
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
+    def wrap_model(self, model: nn.Module, example: torch.Tensor | None = None) -> nn.Module:
+        model = self.place(model, example)
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return model
 

@@ -1,6 +1,6 @@
-"""The world's shape — how many processes, which one this is — read from the launcher's env.
+"""Where this process stands: the launcher's world it joined, and the shape of the work.
 
-One place answers "am I inside a world, and where?" for every launcher we join:
+`current_world()` answers "am I inside a world, and where?" for every launcher we join:
 
 - horovodrun:        HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK
 - torchrun:          RANK, WORLD_SIZE, LOCAL_RANK (+ MASTER_ADDR, MASTER_PORT)
@@ -35,6 +35,33 @@ class World:
     def joined(self) -> bool:
         """True when a launcher started this process as one of several."""
         return self.source is not None
+
+
+@dataclass(frozen=True)
+class WorldShape:
+    """How one run's work divides, shared by the strategy, the sampler and the logging.
+
+    `replicas` copies of the model train on different samples (data parallelism: one process
+    each); each replica is split over `devices_per_replica` devices (model parallelism: the
+    distinct devices its stages run on). Like torchtitan's `ParallelDims`, one object owns it.
+    """
+
+    replicas: int = 1
+    devices_per_replica: int = 1
+    rank: int = 0  # this process's replica
+    local_rank: int = 0  # its index among the processes on this machine
+
+    @property
+    def world_size(self) -> int:
+        """Devices doing the work: what per-device throughput and scaling efficiency divide by."""
+        return self.replicas * self.devices_per_replica
+
+    def describe(self) -> dict[str, int]:
+        return {
+            "world_size": self.world_size,
+            "replicas": self.replicas,
+            "devices_per_replica": self.devices_per_replica,
+        }
 
 
 def current_world(env: Mapping[str, str] = os.environ) -> World:

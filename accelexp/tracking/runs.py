@@ -188,9 +188,15 @@ def run_name(cfg: DictConfig) -> str:
     """`mlflow.run_name`, or what differs between runs: e.g. resnet18-horovod-np4-amp."""
     if cfg.mlflow.run_name:
         return cfg.mlflow.run_name
-    parts = [cfg.model.name, cfg.parallelism.name]
-    if cfg.parallelism.nprocs > 1:
-        parts.append(f"np{cfg.parallelism.nprocs}")
+    parallelism = cfg.parallelism
+    parts = [cfg.model.name, parallelism.name]
+    if "engine" in parallelism:  # hybrid: what syncs the replicas
+        parts.append(parallelism.engine)
+    if parallelism.nprocs > 1:
+        parts.append(f"np{parallelism.nprocs}")
+    if "chunks" in parallelism:  # model, hybrid: stages and micro-batches
+        stages = parallelism.stages or parallelism.get("devices_per_replica") or ""
+        parts.append(f"s{stages}c{parallelism.chunks}")
     return "-".join([*parts, cfg.precision.name])
 
 
