@@ -25,6 +25,7 @@ format: setup
 bench: setup
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/scaling.py
+	$(PY) benchmarks/pipeline.py
 
 clean:
 	rm -rf .pytest_cache .ruff_cache build *.egg-info

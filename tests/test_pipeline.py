@@ -309,6 +309,15 @@ def test_two_hybrid_replicas_equal_one_process_with_the_same_global_batch(
     assert "stage1_peak_mem_mb" in run.data.metrics
 
 
+def test_one_hybrid_replica_trains_in_this_process(tmp_path, tracking_uri):
+    cfg = compose_config(tracking_uri, "parallelism=hybrid", "parallelism.nprocs=1")
+    metrics = launch(cfg, tmp_path / "out")
+    assert 0 <= metrics["test_acc"] <= 1
+    run = only_run(tracking_uri)
+    assert run.info.status == "FINISHED"
+    assert (run.data.params["replicas"], run.data.params["stages"]) == ("1", "2")
+
+
 def test_the_world_shape_drives_the_sampler_the_lr_and_the_device_count(compose_cfg):
     strategy = build_strategy(compose_cfg("parallelism=hybrid", "parallelism.lr_scaling=linear"))
     strategy.shape = WorldShape(replicas=2, devices_per_replica=2, rank=1)
