@@ -182,14 +182,15 @@ def test_a_short_last_batch_runs_in_as_many_micro_batches_as_it_has_samples():
         ("model=simple_cnn", ("parallelism.split_points=[3,7,9]", "parallelism.stages=4")),
         ("model=resnet18", ("parallelism.stages=2", "parallelism.chunks=1")),
         ("model=resnet18", ("precision=bf16", "parallelism.stages=2", "parallelism.chunks=1")),
+        ("model=simple_cnn", ("optimizer=adamw", "scheduler=onecycle", "parallelism.chunks=2")),
     ],
-    ids=["2-stages", "3-stages-4-chunks", "split-points", "resnet18", "resnet18-bf16"],
+    ids=["2-stages", "3-stages-4-chunks", "split-points", "resnet18", "resnet18-bf16", "adamw"],
 )
 def test_a_model_parallel_training_step_equals_a_single_device_step(
     model, pipeline, tmp_path, mlflow_template_db
 ):
     exact = [o for o in EXACT if "resnet" not in model or not o.startswith("model.dropout")]
-    precision = [o for o in pipeline if o.startswith("precision")]
+    shared = [o for o in pipeline if not o.startswith("parallelism.")]  # precision, optimizer
 
     def train(name: str, *overrides: str) -> dict[str, torch.Tensor]:
         uri = new_store(tmp_path / name, mlflow_template_db)
@@ -199,7 +200,7 @@ def test_a_model_parallel_training_step_equals_a_single_device_step(
         launch(cfg, tmp_path / name / "out")
         return final_params(tmp_path / name / "out")
 
-    single = train("single", *precision)
+    single = train("single", *shared)
     split = train("model", "parallelism=model", *pipeline)
     assert_same_params(split, single)
 
@@ -277,6 +278,24 @@ def single_reference(tmp_path_factory, mlflow_template_db):
     )
     launch(cfg, root / "out")
     return final_params(root / "out")
+
+
+def test_hybrid_gradient_accumulation_equals_the_larger_batch(
+    single_reference, tmp_path, tracking_uri
+):
+    # 2 replicas x 2 micro-batches of 16 (DDP's no_sync on the first), 2 stages, chunks 4
+    cfg = compose_config(
+        tracking_uri,
+        *EXACT,
+        "parallelism=hybrid",
+        "parallelism.nprocs=2",
+        "parallelism.accumulate_steps=2",
+        "parallelism.chunks=4",
+        "data.batch_size=16",
+        "max_steps_per_epoch=8",
+    )
+    launch(cfg, tmp_path / "out")
+    assert_same_params(final_params(tmp_path / "out"), single_reference)
 
 
 @pytest.mark.parametrize("engine", ["ddp", "horovod"])

@@ -4,8 +4,10 @@ Each worker process holds one replica of the model cut into stages over `devices
 devices (its own GPUs: local rank r takes GPUs r*D .. r*D+D-1; on a CPU every stage is on the
 CPU). The replicas stay in sync through the `engine`: DDP over the multi-device module
 (`device_ids=None`, as PyTorch's DDP + model-parallel recipe does), or Horovod's
-DistributedOptimizer. They are started like the data-parallel strategies: `nprocs` replicas by
-torchrun or horovodrun, or joining a world a launcher made.
+DistributedOptimizer (Horovod's layout for model parallelism: each worker has several GPUs and
+submits the same tensors as the others; NCCL rings are formed over each tensor's GPUs). They are
+started like the data-parallel strategies: `nprocs` replicas by torchrun or horovodrun, or joining
+a world a launcher made.
 
 The world's shape (`WorldShape`: replicas x devices per replica) is what the sampler shards
 over (replicas), what the lr scales with, and what is logged (`world_size`, `replicas`,
