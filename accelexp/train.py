@@ -118,9 +118,8 @@ def _run(
         train_loader = FailingLoader(train_loader, cfg.debug.raise_at_step, strategy.rank)
     model = strategy.wrap_model(
         build_model(cfg.model, data.in_channels, data.num_classes, data.image_size),
-        example=torch.randn(
-            cfg.data.batch_size, data.in_channels, data.image_size, data.image_size
-        ),  # a batch's shape, for strategies that time the model (parallelism.balance=compute)
+        # a batch's shape, for strategies that time the model (parallelism.balance=compute)
+        input_shape=(cfg.data.batch_size, data.in_channels, data.image_size, data.image_size),
     )
     optimizer = strategy.wrap_optimizer(
         build_optimizer(cfg.optimizer, model.parameters(), strategy.scale_lr(cfg.optimizer.lr)),

@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
+from timing import timed
 from torch.utils.data import RandomSampler
 
 from accelexp.config import register_configs
@@ -33,12 +33,6 @@ from accelexp.precision import Precision
 from accelexp.train import seed_everything
 
 CONF_DIR = __file__.rsplit("/benchmarks/", 1)[0] + "/conf"
-
-
-def timed(fn) -> tuple[float, float]:
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main() -> None:

@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+from timing import timed
 
 from accelexp.models import build_model
 from accelexp.parallel.model import parse_devices
@@ -48,16 +48,8 @@ def print_resnet50_split() -> None:
         parts, _ = split_layers(model, stages)
         for k, part in enumerate(parts):
             params = sum(p.numel() for p in part.parameters())
-            names = part.layer_names
-            layers = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
-            print(f"{stages:<8}{k:<7}{layers:<24}{params:>12,}{params / total:>8.1%}")
+            print(f"{stages:<8}{k:<7}{part.span:<24}{params:>12,}{params / total:>8.1%}")
     print()
-
-
-def timed(fn) -> tuple[float, float]:
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main() -> None:

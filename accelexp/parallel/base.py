@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import resource
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -141,12 +142,12 @@ class Strategy:
         return {"peak_mem_mb": peak_memory_mb(self.device)}
 
     # --- model and optimizer ----------------------------------------------------------------
-    def place(self, model: nn.Module, example: torch.Tensor | None = None) -> nn.Module:
-        """Put the model on this process's device(s); `example` is one input batch (on the CPU)."""
+    def place(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
+        """Put the model on this process's device(s); `input_shape` is one batch's shape."""
         return model.to(self.device)
 
-    def wrap_model(self, model: nn.Module, example: torch.Tensor | None = None) -> nn.Module:
-        return self.place(model, example)
+    def wrap_model(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
+        return self.place(model, input_shape)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module, e.g. for saving a checkpoint that loads anywhere."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -75,10 +76,10 @@ class DDP(Strategy):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
-    def wrap_model(self, model: nn.Module, example: torch.Tensor | None = None) -> nn.Module:
+    def wrap_model(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
         if self.cfg.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        model = self.place(model, example)
+        model = self.place(model, input_shape)
         devices = {p.device for p in model.parameters()}
         ddp = DistributedDataParallel(
             model,

@@ -7,6 +7,7 @@ CPU-only machine the plain module runs (DataParallel has nothing to split there)
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -41,8 +42,8 @@ class DataParallel(Strategy):
     def num_devices(self) -> int:
         return max(1, len(self.device_ids))
 
-    def wrap_model(self, model: nn.Module, example: torch.Tensor | None = None) -> nn.Module:
-        model = self.place(model, example)
+    def wrap_model(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
+        model = self.place(model, input_shape)
         if len(self.device_ids) > 1:
             return nn.DataParallel(model, device_ids=self.device_ids)
         return model

@@ -14,6 +14,8 @@ only changes the compute dtype), and refuses a model whose parameters are bf16.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig
@@ -66,8 +68,8 @@ class Horovod(Strategy):
         # Adasum adapts the combined step itself: Horovod's examples do not scale its lr by size
         return lr if self.cfg.op == "adasum" else super().scale_lr(lr)
 
-    def wrap_model(self, model: nn.Module, example: torch.Tensor | None = None) -> nn.Module:
-        model = self.place(model, example)
+    def wrap_model(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
+        model = self.place(model, input_shape)
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return model
 

@@ -72,6 +72,8 @@ class SplitModel:
     cfg: object
     device: torch.device
     shape: object
+    pipeline: Pipeline | None = None  # set by place()
+    optimizer: torch.optim.Optimizer | None = None  # set by wrap_optimizer(), for its state
 
     def stage_devices(self) -> list[torch.device]:
         """Device of stage k, for every stage of this process's replica."""
@@ -83,14 +85,13 @@ class SplitModel:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.shape = dataclasses.replace(self.shape, devices_per_replica=len(set(self.devices)))
-        self.pipeline: Pipeline | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
 
-    def place(self, model: nn.Module, example: torch.Tensor | None = None) -> nn.Module:
-        cfg = self.cfg
-        if cfg.balance == "compute" and example is not None:
+    def place(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
+        cfg, example = self.cfg, None
+        if cfg.balance == "compute" and input_shape is not None:
             model.to(self.devices[0])  # timed on the first device, one micro-batch at a time
-            example = example[: max(1, len(example) // cfg.chunks)].to(self.devices[0])
+            batch, *sample = input_shape
+            example = torch.randn(max(1, batch // cfg.chunks), *sample, device=self.devices[0])
         stages, self.split_points = split_layers(
             model, len(self.devices), cfg.split_points, cfg.balance, example
         )

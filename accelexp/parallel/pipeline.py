@@ -146,6 +146,12 @@ class Stage(nn.Sequential):
         super().__init__(OrderedDict((name.replace(".", "_"), layer) for name, layer in named))
         self.layer_names = [name for name, _ in named]
 
+    @property
+    def span(self) -> str:
+        """Its first and last layer, e.g. 'layer1.0..layer2.3'."""
+        first, last = self.layer_names[0], self.layer_names[-1]
+        return first if first == last else f"{first}..{last}"
+
 
 def _check_covers(model: nn.Module, layers: list[nn.Module]) -> None:
     """Every parameter and buffer of the model is in some layer: the split drops nothing."""
@@ -216,6 +222,4 @@ class Pipeline(nn.Module):
         return [sum(p.numel() for p in stage.parameters()) for stage in self.stages]
 
     def stage_layers(self) -> list[str]:
-        """Each stage's first and last layer, e.g. 'layer1.0..layer2.3'."""
-        names = [stage.layer_names for stage in self.stages]
-        return [n[0] if len(n) == 1 else f"{n[0]}..{n[-1]}" for n in names]
+        return [stage.span for stage in self.stages]
