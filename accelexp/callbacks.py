@@ -26,7 +26,7 @@ def sweep_grid(config: DictConfig) -> dict[str, str]:
     """The sweep's settings: `hydra.sweeper.params` of an experiment file, then the command
     line's overrides (which win), e.g. {"parallelism.nprocs": "1,2", "precision": "fp32,amp"}."""
     params = config.hydra.sweeper.get("params") or {}
-    grid = {str(k): str(v) for k, v in params.items()}
+    grid = {str(k).lstrip("+"): str(v) for k, v in params.items()}  # `+rung`: a group added
     for override in config.hydra.overrides.task:
         key, _, value = override.partition("=")
         if value and not key.startswith("~"):

@@ -5,6 +5,10 @@ loss scaling) and a plain optimizer and scheduler. Per-step work is the forward 
 pass, optimizer and scheduler step and two on-device additions for the epoch's loss and accuracy;
 the host reads numbers back only every `log_every` steps for the progress bar, and at the end of
 the epoch, once, summed over all ranks.
+
+With a compiled model the first `warmup_steps` steps of the first epoch compile it: they are
+timed apart (`EpochResult.compile_seconds`) and left out of the epoch's throughput, never
+folded into `samples_per_s`; their loss and accuracy still count.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from accelexp.precision import Precision
 class EpochResult:
     loss: float
     accuracy: float
-    samples: int  # over all ranks
+    samples: int  # timed samples (all but the compile warm-up's), over all ranks
     seconds: float
+    compile_seconds: float | None = None  # the compile warm-up steps, slowest rank
 
     @property
     def samples_per_s(self) -> float:
@@ -60,6 +65,7 @@ class Trainer:
         max_steps_per_epoch: int | None = None,
         log_every: int = 20,
         progress: bool = True,
+        warmup_steps: int = 0,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -70,6 +76,7 @@ class Trainer:
         self.max_steps = max_steps_per_epoch
         self.log_every = log_every
         self.progress = progress and strategy.is_main
+        self.warmup_steps = warmup_steps  # of the next epoch trained, then 0
 
     def batches_per_epoch(self, loader: BatchLoader) -> int:
         return batches_per_epoch(len(loader), self.max_steps)
@@ -84,10 +91,13 @@ class Trainer:
         self.model.train()
         loader.set_epoch(epoch)
         steps = self.batches_per_epoch(loader)
+        warmup = min(self.warmup_steps, steps - 1)  # leave at least one step to time
+        self.warmup_steps = 0
+        compile_seconds = None
         accumulate = self.strategy.accumulate_steps
         loss_sum = torch.zeros((), device=self.device)
         correct = torch.zeros((), dtype=torch.long, device=self.device)
-        seen = 0
+        seen = timed_from = 0
         bar = tqdm(
             total=steps,
             desc=f"epoch {epoch}",
@@ -114,22 +124,34 @@ class Trainer:
             correct += (logits.argmax(1) == labels).sum()
             seen += len(labels)
             bar.update()
+            if step + 1 == warmup:  # compiled: time the steps from here on
+                synchronize(self.device)
+                now = time.perf_counter()
+                compile_seconds, start, timed_from = now - start, now, seen
             if self.progress and (step + 1) % self.log_every == 0:
                 elapsed = time.perf_counter() - start
                 bar.set_postfix(
                     loss=f"{loss_sum.item() / seen:.4f}",
                     acc=f"{correct.item() / seen:.4f}",
-                    img_s=f"{seen * self.strategy.replicas / elapsed:.0f}",
+                    img_s=f"{(seen - timed_from) * self.strategy.replicas / elapsed:.0f}",
                     refresh=False,
                 )
         synchronize(self.device)
         seconds = time.perf_counter() - start
         bar.close()
-        total_loss, total_correct, total_seen = self._sum_over_ranks(loss_sum, correct, seen)
+        total_loss, total_correct, total_seen, total_timed = self._sum_over_ranks(
+            loss_sum, correct, seen, seen - timed_from
+        )
         # the slowest rank sets the pace of a synchronous step
-        seconds = self.strategy.reduce_max(torch.tensor(seconds, device=self.device)).item()
+        seconds, compile_seconds = self.strategy.reduce_max(
+            torch.tensor([seconds, compile_seconds or 0.0], device=self.device)
+        ).tolist()
         return EpochResult(
-            total_loss / total_seen, total_correct / total_seen, int(total_seen), seconds
+            total_loss / total_seen,
+            total_correct / total_seen,
+            int(total_timed),
+            seconds,
+            compile_seconds if warmup > 0 else None,
         )
 
     @torch.no_grad()

@@ -19,9 +19,10 @@ from accelexp.config import ConfigError
 
 
 def build_optimizer(
-    cfg: DictConfig, params: Iterable[torch.nn.Parameter], lr: float
+    cfg: DictConfig, params: Iterable[torch.nn.Parameter], lr: float, **kernels: bool
 ) -> torch.optim.Optimizer:
-    """`lr` is given apart from `cfg`: the strategy may have scaled `cfg.lr` by the world size."""
+    """`lr` is given apart from `cfg`: the strategy may have scaled `cfg.lr` by the world size.
+    `kernels` choose the step's implementation (`foreach=` / `fused=`, see `accelexp.speed`)."""
     if cfg.name == "sgd":
         return torch.optim.SGD(
             params,
@@ -29,10 +30,16 @@ def build_optimizer(
             momentum=cfg.momentum,
             weight_decay=cfg.weight_decay,
             nesterov=cfg.nesterov,
+            **kernels,
         )
     if cfg.name == "adamw":
         return torch.optim.AdamW(
-            params, lr=lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+            params,
+            lr=lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            **kernels,
         )
     raise ConfigError(f"optimizer.name={cfg.name!r} is unknown: expected sgd or adamw")
 

@@ -1,6 +1,7 @@
 """One run, start to end: build every component from the config, train, test, track.
 
-    strategy -> tracker check -> data -> model -> optimizer -> precision -> scheduler
+    strategy -> tracker check -> data -> model -> speed switches -> loaders -> wrapped model
+    -> optimizer -> precision -> scheduler
     -> epochs (train, validate, best checkpoint, metrics) -> best checkpoint on the test set
 
 `run(cfg, output_dir)` is what `run.py` calls inside the Hydra job, and what tests call directly.
@@ -20,13 +21,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from accelexp.config import ConfigError, validate
-from accelexp.data import BatchLoader, DataBundle, build_data
+from accelexp.data import BatchLoader, DataBundle, build_data, resolve_on_device
 from accelexp.engine import Trainer, optimizer_steps_per_epoch
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
 from accelexp.parallel import build_strategy
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
+from accelexp.speed import SpeedSwitches
 from accelexp.tracking import Tracker, flatten
 from accelexp.tracking.runs import RUN_ID_FILE, run_name, run_tags
 
@@ -37,19 +39,27 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
-    if deterministic:
+    if deterministic:  # cuDNN autotuning and TF32 too: see SpeedSwitches.resolve
         torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
 
 
 def make_loaders(
-    cfg: DictConfig, data: DataBundle, strategy: Strategy
+    cfg: DictConfig,
+    data: DataBundle,
+    strategy: Strategy,
+    memory_format: torch.memory_format = torch.contiguous_format,
 ) -> tuple[BatchLoader, BatchLoader, BatchLoader]:
+    """Train, val and test loaders; `data.on_device` decided once for all three."""
+    on_device = resolve_on_device(
+        cfg.data.on_device, strategy.device, data.nbytes, cfg.data.num_workers
+    )
     common = {
         "device": strategy.device,
         "mean": data.mean,
         "std": data.std,
         "num_workers": cfg.data.num_workers,
+        "on_device": on_device,
+        "memory_format": memory_format,
     }
     train = BatchLoader(
         data.train,
@@ -58,6 +68,7 @@ def make_loaders(
         augment=cfg.data.augment,
         drop_last=True,
         seed=cfg.seed + strategy.rank,
+        max_batches=cfg.max_steps_per_epoch,
         **common,
     )
     val, test = (
@@ -113,16 +124,29 @@ def _run(
     tracker.connect()  # fail now, not after training, when the store is unreachable
     seed_everything(cfg.seed, cfg.deterministic)
     data = build_data(cfg.data, cfg.seed)
-    train_loader, val_loader, test_loader = make_loaders(cfg, data, strategy)
+    model = build_model(cfg.model, data.in_channels, data.num_classes, data.image_size)
+    switches = SpeedSwitches.resolve(cfg.speed, strategy.device, model, cfg.deterministic)
+    switches.apply_backends()
+    train_loader, val_loader, test_loader = make_loaders(
+        cfg, data, strategy, switches.memory_format
+    )
+    placement = train_loader.placement
     if cfg.debug.raise_on_rank == strategy.rank:
         train_loader = FailingLoader(train_loader, cfg.debug.raise_at_step, strategy.rank)
     model = strategy.wrap_model(
-        build_model(cfg.model, data.in_channels, data.num_classes, data.image_size),
+        switches.prepare(model),
         # a batch's shape, for strategies that time the model (parallelism.balance=compute)
         input_shape=(cfg.data.batch_size, data.in_channels, data.image_size, data.image_size),
     )
+    if switches.compile_mode:
+        model = strategy.compile(model, switches.compile_mode)
     optimizer = strategy.wrap_optimizer(
-        build_optimizer(cfg.optimizer, model.parameters(), strategy.scale_lr(cfg.optimizer.lr)),
+        build_optimizer(
+            cfg.optimizer,
+            model.parameters(),
+            strategy.scale_lr(cfg.optimizer.lr),
+            **switches.optimizer_kwargs(),
+        ),
         model,
     )
     precision = Precision(
@@ -141,6 +165,7 @@ def _run(
         cfg.max_steps_per_epoch,
         cfg.log_every_n_steps,
         cfg.progress,
+        warmup_steps=switches.warmup_steps,
     )
 
     resolved = OmegaConf.to_container(cfg, resolve=True)
@@ -150,9 +175,15 @@ def _run(
         "torch_version": torch.__version__,
         "num_params": sum(p.numel() for p in model.parameters()),
         "train_samples": len(data.train),
+        "data_placement": placement,
     }
-    tags = {**run_tags(cfg, strategy.world_size, overrides), "host": platform.node()}
-    tracker.start(run_name(cfg), params, tags)
+    tags = {
+        **run_tags(cfg, strategy.world_size, overrides),
+        **switches.tags(),
+        "data_placement": placement,
+        "host": platform.node(),
+    }
+    tracker.start(run_name(cfg, switches.summary()), params, tags)
     if tracker.run_id:  # a failure later on is recorded on this run (tracking.record_failure)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RUN_ID_FILE).write_text(tracker.run_id)
@@ -202,6 +233,7 @@ def _fit(
             "samples_per_s_per_device": train.samples_per_s / strategy.num_devices,
             **strategy.memory_metrics(),
             "grad_scale": trainer.precision.grad_scale(),
+            "compile_s": train.compile_seconds,
             "elapsed_s": elapsed,
         }
         tracker.log_metrics(metrics, step=epoch)

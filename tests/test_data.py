@@ -18,7 +18,7 @@ from torch.utils.data import RandomSampler, SequentialSampler
 
 import accelexp.data.sources as sources
 from accelexp.data import BatchLoader, DatasetNotFoundError, ImageSet, build_data
-from accelexp.data.images import random_crop_flip
+from accelexp.data.images import draw_crop_flip, random_crop_flip
 from accelexp.data.sources import load_cifar10, read_idx
 from accelexp.errors import AccelexpError
 from accelexp.train import run
@@ -313,8 +313,8 @@ def is_crop_or_flipped_crop(original: torch.Tensor, out: torch.Tensor, pad: int)
 
 def test_random_crop_flip_is_seeded_and_only_flips_without_padding():
     x = id_set(20, size=6).images
-    a = random_crop_flip(x, 0, torch.Generator().manual_seed(5))
-    b = random_crop_flip(x, 0, torch.Generator().manual_seed(5))
+    a = random_crop_flip(x, 0, *draw_crop_flip(20, 0, torch.Generator().manual_seed(5)))
+    b = random_crop_flip(x, 0, *draw_crop_flip(20, 0, torch.Generator().manual_seed(5)))
     assert torch.equal(a, b)
     flipped = [not torch.equal(o, i) for o, i in zip(a, x, strict=True)]
     for out, image, was_flipped in zip(a, x, flipped, strict=True):

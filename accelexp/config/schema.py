@@ -27,6 +27,15 @@ class SimpleCNNConfig:
 
 
 @dataclass
+class MLPConfig:
+    """Fully connected layers of these widths on the flattened image."""
+
+    name: str = "mlp"
+    widths: list[int] = field(default_factory=lambda: [256, 128])
+    dropout: float = 0.1
+
+
+@dataclass
 class ResNetConfig:
     """A torchvision ResNet with its head resized to the data's classes."""
 
@@ -47,6 +56,9 @@ class DataConfig:
     batch_size: int = 128
     eval_batch_size: int = 512
     num_workers: int = 0
+    # auto | true | false: hold the whole uint8 set on the device and gather batches there
+    # (auto: on a GPU when it fits comfortably; on a CPU the set already is where compute is)
+    on_device: Any = "auto"
     augment: bool = True
     val_fraction: float = 0.1
     # synthetic only: sizes of the generated sets and the image shape
@@ -136,6 +148,20 @@ class HybridConfig(PipelineFields, HorovodConfig, DDPConfig):
     stages: int | None = None  # None: one stage per device of the replica
 
 
+# --- speed switches -----------------------------------------------------------------------
+
+
+@dataclass
+class SpeedConfig:
+    """Switches that change how fast a run goes, never what it computes (beyond rounding)."""
+
+    channels_last: Any = "auto"  # auto (on with CUDA for a conv model) | true | false
+    cudnn_benchmark: bool = True  # autotune conv algorithms for the run's fixed shapes
+    tf32: bool = False  # TF32 for fp32 matmuls and convolutions (Ampere+); false: IEEE fp32
+    compile: str = "off"  # off | default | reduce-overhead (CUDA graphs) | max-autotune
+    optimizer_impl: str = "auto"  # auto (torch's choice) | for_loop | foreach | fused
+
+
 # --- optimizer -----------------------------------------------------------------------------
 
 
@@ -202,6 +228,7 @@ class MlflowConfig:
     artifact_location: str | None = None
     log_checkpoint: bool = False
     log_system_metrics: bool = False
+    tags: dict[str, str] = field(default_factory=dict)  # extra tags for the run, e.g. a study's
 
 
 @dataclass
@@ -219,6 +246,7 @@ class Config:
     optimizer: Any = MISSING
     scheduler: Any = MISSING
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
     seed: int = 42
     epochs: int = 5
     max_steps_per_epoch: int | None = None
@@ -233,7 +261,7 @@ class Config:
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"simple_cnn": SimpleCNNConfig, "resnet": ResNetConfig},
+    "model": {"simple_cnn": SimpleCNNConfig, "mlp": MLPConfig, "resnet": ResNetConfig},
     "data": {"data": DataConfig},
     "precision": {"precision": PrecisionConfig},
     "parallelism": {

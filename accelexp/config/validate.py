@@ -16,6 +16,8 @@ from accelexp.errors import AccelexpError
 
 PRECISIONS = ("fp32", "amp", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+OPTIMIZER_IMPLS = ("auto", "for_loop", "foreach", "fused")
 
 
 class ConfigError(AccelexpError, ValueError):
@@ -28,6 +30,7 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
     at_least_one = (lambda v: v >= 1, "an integer >= 1")
     optional_at_least_one = (lambda v: v is None or v >= 1, "null or an integer >= 1")
     fraction = (lambda v: 0 <= v < 1, "a number in [0, 1)")
+    auto_or_bool = (lambda v: v == "auto" or isinstance(v, bool), "auto, true or false")
     return [
         ("epochs", *at_least_one),
         ("max_steps_per_epoch", *optional_at_least_one),
@@ -39,6 +42,7 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
         ("data.eval_batch_size", *at_least_one),
         ("data.num_workers", *non_negative),
         ("data.val_fraction", *fraction),
+        ("data.on_device", *auto_or_bool),
         ("data.num_train", *at_least_one),
         ("data.num_test", *at_least_one),
         ("data.image_size", lambda v: v >= 8, "an integer >= 8"),
@@ -80,6 +84,13 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
         ("parallelism.engine", lambda v: v in ("ddp", "horovod"), "ddp or horovod"),
         ("parallelism.devices_per_replica", *at_least_one),
         ("debug.raise_at_step", *at_least_one),
+        ("speed.channels_last", *auto_or_bool),
+        ("speed.compile", lambda v: v in COMPILE_MODES, f"one of {', '.join(COMPILE_MODES)}"),
+        (
+            "speed.optimizer_impl",
+            lambda v: v in OPTIMIZER_IMPLS,
+            f"one of {', '.join(OPTIMIZER_IMPLS)}",
+        ),
         ("optimizer.lr", *positive),
         ("optimizer.weight_decay", *non_negative),
         ("optimizer.momentum", *fraction),
@@ -91,6 +102,7 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
         ),
         ("model.channels", lambda v: len(v) == 2 and all(c >= 1 for c in v), "two integers >= 1"),
         ("model.hidden", *at_least_one),
+        ("model.widths", lambda v: len(v) >= 1 and all(w >= 1 for w in v), "integers >= 1"),
         ("model.dropout", *fraction),
         ("scheduler.warmup_epochs", *non_negative),
         ("scheduler.warmup_start_factor", lambda v: 0 < v <= 1, "a number in (0, 1]"),
@@ -120,6 +132,12 @@ def validate(cfg: DictConfig) -> None:
             f"epochs={cfg.epochs}."
         )
     problems += _pipeline_problems(cfg.parallelism, cfg.data.batch_size)
+    if cfg.data.on_device is True and cfg.data.num_workers > 0:
+        problems.append(
+            f"  data.on_device=true gathers batches on the device, where loader worker processes "
+            f"have nothing to do: use data.num_workers=0 (now {cfg.data.num_workers}), or "
+            f"data.on_device=false to gather on the host with workers."
+        )
     if problems:
         raise ConfigError(
             "Invalid configuration:\n" + "\n".join(problems) + "\n"

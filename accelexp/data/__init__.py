@@ -8,7 +8,8 @@ import torch
 from omegaconf import DictConfig
 
 from accelexp.config import ConfigError
-from accelexp.data.images import BatchLoader, DataBundle, ImageSet
+from accelexp.data.images import DataBundle, ImageSet
+from accelexp.data.loaders import BatchLoader, resolve_on_device
 from accelexp.data.sources import (
     DatasetNotFoundError,
     load_cifar10,
@@ -22,7 +23,14 @@ SOURCES: dict[str, Callable[[DictConfig], tuple[ImageSet, ImageSet]]] = {
     "synthetic": make_synthetic,
 }
 
-__all__ = ["BatchLoader", "DataBundle", "DatasetNotFoundError", "ImageSet", "build_data"]
+__all__ = [
+    "BatchLoader",
+    "DataBundle",
+    "DatasetNotFoundError",
+    "ImageSet",
+    "build_data",
+    "resolve_on_device",
+]
 
 
 def build_data(cfg: DictConfig, seed: int) -> DataBundle:

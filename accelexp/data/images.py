@@ -1,20 +1,17 @@
-"""In-memory image sets and the batch loader that feeds the training loop.
+"""In-memory image sets, and the whole-batch augmentation the loader applies on the device.
 
-Small image datasets live in memory as one uint8 tensor (N, C, H, W). A batch is gathered with
-one indexing operation, moved to the device as uint8 (4x fewer bytes than float), then augmented
-(random crop with zero padding, horizontal flip) and normalised there, as whole-batch tensor ops.
-Nothing is decoded one PIL image at a time, so the data path is never the bottleneck of a small
-model (the overhead benchmark prints loader-only samples/s beside training samples/s).
+Small image datasets live in memory as one uint8 tensor (N, C, H, W): a batch is one indexing
+operation, never one PIL image at a time. `accelexp.data.loaders` turns a set into batches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler
+from torch.utils.data import Dataset
 
 
 class ImageSet(Dataset):
@@ -35,6 +32,10 @@ class ImageSet(Dataset):
 
     def __getitem__(self, index):
         return self.images[index], self.labels[index]
+
+    @property
+    def nbytes(self) -> int:
+        return self.images.nbytes + self.labels.nbytes
 
     def subset(self, indices: torch.Tensor) -> ImageSet:
         return ImageSet(self.images[indices], self.labels[indices])
@@ -73,79 +74,34 @@ class DataBundle:
     def image_size(self) -> int:
         return self.train.images.shape[2]
 
+    @property
+    def nbytes(self) -> int:
+        """What holding every split on a device takes (val is test when it is not held out)."""
+        splits = {id(s): s for s in (self.train, self.val, self.test)}
+        return sum(split.nbytes for split in splits.values())
 
-def random_crop_flip(x: torch.Tensor, pad: int, generator: torch.Generator) -> torch.Tensor:
-    """Per-sample random crop (zero padding `pad`) and horizontal flip of a batch, in one gather."""
+
+def draw_crop_flip(
+    n: int, pad: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random crop offsets (2, n) in [0, 2 * pad] and horizontal flips (n,) for a batch of n."""
+    shifts = torch.randint(0, 2 * pad + 1, (2, n), generator=generator)
+    flips = torch.rand(n, generator=generator) < 0.5
+    return shifts, flips
+
+
+def random_crop_flip(
+    x: torch.Tensor, pad: int, shifts: torch.Tensor, flips: torch.Tensor
+) -> torch.Tensor:
+    """Per-sample crop (zero padding `pad`, offsets `shifts`) and flip of a batch, in one gather.
+
+    `shifts` and `flips` (from `draw_crop_flip`) live on the batch's device.
+    """
     n, c, h, w = x.shape
-    shifts = torch.randint(0, 2 * pad + 1, (2, n), generator=generator).to(x.device)
-    flip = torch.rand(n, generator=generator).to(x.device) < 0.5
     rows = shifts[0, :, None] + torch.arange(h, device=x.device)
     cols = shifts[1, :, None] + torch.arange(w, device=x.device)
-    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    cols = torch.where(flips[:, None], cols.flip(1), cols)
     padded = F.pad(x, (pad, pad, pad, pad))
     batch = torch.arange(n, device=x.device)[:, None, None, None]
     chan = torch.arange(c, device=x.device)[None, :, None, None]
     return padded[batch, chan, rows[:, None, :, None], cols[:, None, None, :]]
-
-
-class BatchLoader:
-    """Yields (images float32 normalised, labels) on `device`, in the order `sampler` gives.
-
-    `sampler` is any torch Sampler (random, sequential, or a rank's shard); `set_epoch` is
-    forwarded to it so a DistributedSampler reshuffles each epoch. With `num_workers > 0` the
-    gathering runs in DataLoader worker processes (rarely useful for in-memory data).
-    """
-
-    def __init__(
-        self,
-        dataset: ImageSet,
-        batch_size: int,
-        sampler: Sampler[int],
-        device: torch.device,
-        mean: Sequence[float],
-        std: Sequence[float],
-        augment: bool = False,
-        drop_last: bool = False,
-        num_workers: int = 0,
-        seed: int = 0,
-    ) -> None:
-        self.dataset = dataset
-        self.sampler = sampler
-        self.batches = BatchSampler(sampler, batch_size, drop_last)
-        self.device = device
-        self.num_workers = num_workers
-        self.pad = max(2, dataset.images.shape[-1] // 8) if augment else 0
-        self.generator = torch.Generator().manual_seed(seed)
-        shape = (1, -1, 1, 1)
-        self.mean = torch.tensor(mean, device=device).view(shape) * 255
-        self.inv_std = 1 / (torch.tensor(std, device=device).view(shape) * 255)
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
-
-    def _raw_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self.num_workers == 0:
-            for indices in self.batches:
-                yield self.dataset[torch.as_tensor(indices)]
-        else:
-            yield from DataLoader(
-                self.dataset,
-                batch_size=None,
-                sampler=self.batches,
-                num_workers=self.num_workers,
-                pin_memory=self.device.type == "cuda",
-                persistent_workers=False,
-            )
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        non_blocking = self.device.type == "cuda"
-        for images, labels in self._raw_batches():
-            images = images.to(self.device, non_blocking=non_blocking)
-            labels = labels.to(self.device, non_blocking=non_blocking)
-            if self.pad:
-                images = random_crop_flip(images, self.pad, self.generator)
-            yield (images.float() - self.mean) * self.inv_std, labels

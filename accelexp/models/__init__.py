@@ -14,6 +14,7 @@ import torchvision
 from omegaconf import DictConfig
 
 from accelexp.config import ConfigError
+from accelexp.models.mlp import MLP
 from accelexp.models.resnet import build_resnet, resnet_layers
 from accelexp.models.simple_cnn import SimpleCNN
 
@@ -23,6 +24,7 @@ MODELS: dict[str, Builder] = {
     "simple_cnn": lambda cfg, c, k, s: SimpleCNN(
         c, k, s, list(cfg.channels), cfg.hidden, cfg.dropout
     ),
+    "mlp": lambda cfg, c, k, s: MLP(c, k, s, list(cfg.widths), cfg.dropout),
     "resnet18": lambda cfg, c, k, s: build_resnet("resnet18", cfg, c, k, s),
     "resnet50": lambda cfg, c, k, s: build_resnet("resnet50", cfg, c, k, s),
 }
@@ -52,5 +54,6 @@ def layer_sequence(model: nn.Module) -> list[tuple[str, nn.Module]]:
         return layers
     raise ConfigError(
         f"a {type(model).__name__} cannot be split into stages: model parallelism splits an "
-        f"nn.Sequential (e.g. model=simple_cnn) or a ResNet (model=resnet18, model=resnet50)."
+        f"nn.Sequential (e.g. model=simple_cnn, model=mlp) or a ResNet (model=resnet18, "
+        f"model=resnet50)."
     )

@@ -153,6 +153,15 @@ class Strategy:
         """The user's module, e.g. for saving a checkpoint that loads anywhere."""
         return model
 
+    def compile(self, model: nn.Module, mode: str) -> nn.Module:
+        """`torch.compile` the wrapped model in place (state dict names unchanged).
+
+        The whole wrapped module: under DDP that lets the compiler split the graph at DDP's
+        buckets, so gradient allreduce still overlaps the backward pass.
+        """
+        model.compile(mode=mode)
+        return model
+
     def scale_lr(self, lr: float) -> float:
         """`parallelism.lr_scaling` with the number of samples per optimizer step."""
         factor = self.replicas * self.accumulate_steps

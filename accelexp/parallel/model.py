@@ -102,6 +102,12 @@ class SplitModel:
         model = super().unwrap(model)
         return model.module if isinstance(model, Pipeline) else model
 
+    def compile(self, model: nn.Module, mode: str) -> nn.Module:
+        """Each stage compiled on its own device; the clock loop between them stays eager."""
+        for stage in self.pipeline.stages:
+            stage.compile(mode=mode)
+        return model
+
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, model: nn.Module
     ) -> torch.optim.Optimizer:

@@ -184,8 +184,9 @@ def where_to_look(uri: str, experiment_id: str, run_id: str) -> str:
     )
 
 
-def run_name(cfg: DictConfig) -> str:
-    """`mlflow.run_name`, or what differs between runs: e.g. resnet18-horovod-np4-amp."""
+def run_name(cfg: DictConfig, speed: str = "eager") -> str:
+    """`mlflow.run_name`, or what differs between runs: e.g. resnet18-horovod-np4-amp, and the
+    speed switches that are on (`SpeedSwitches.summary()`), e.g. resnet50-single-bf16-tf32+cl."""
     if cfg.mlflow.run_name:
         return cfg.mlflow.run_name
     parallelism = cfg.parallelism
@@ -197,11 +198,15 @@ def run_name(cfg: DictConfig) -> str:
     if "chunks" in parallelism:  # model, hybrid: stages and micro-batches
         stages = parallelism.stages or parallelism.get("devices_per_replica") or ""
         parts.append(f"s{stages}c{parallelism.chunks}")
-    return "-".join([*parts, cfg.precision.name])
+    parts.append(cfg.precision.name)
+    if speed != "eager":
+        parts.append(speed)
+    return "-".join(parts)
 
 
 def run_tags(cfg: DictConfig, world_size: int, overrides: Sequence[str] = ()) -> dict[str, str]:
-    """What a run is, as tags to group and filter by in the MLflow UI and the report."""
+    """What a run is, as tags to group and filter by in the MLflow UI and the report; then
+    `mlflow.tags`, the user's own (a study's rung, say)."""
     return {
         "parallelism": cfg.parallelism.name,
         "precision": cfg.precision.name,
@@ -209,6 +214,7 @@ def run_tags(cfg: DictConfig, world_size: int, overrides: Sequence[str] = ()) ->
         "data": cfg.data.name,
         "world_size": str(world_size),
         "overrides": " ".join(overrides),
+        **{str(k): str(v) for k, v in (cfg.mlflow.get("tags") or {}).items()},
     }
 
 

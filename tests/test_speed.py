@@ -1,0 +1,276 @@
+"""Speed switches: each reaches the model, the optimizer or the backends, and is logged.
+
+Tiny real runs through `accelexp.train.run` (and real worker processes for DDP and Horovod),
+read back from their MLflow store and their checkpoint. On this CPU, TF32 and cuDNN change no
+arithmetic, but their flags are still set and checked; `torch.compile` really compiles (Inductor
+generates and builds C++ here), so those runs take tens of seconds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import EXACT, assert_same_params, final_params, only_run, run_cli
+from mlflow import MlflowClient
+from omegaconf import OmegaConf
+
+from accelexp.launch import launch
+from accelexp.models import build_model
+from accelexp.optim import build_optimizer
+from accelexp.parallel import build_strategy
+from accelexp.speed import SpeedConfigError, SpeedSwitches, set_tf32, tf32_enabled
+from accelexp.train import run
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def restore_backend_flags():
+    """The flags are process-wide: leave them as the test found them."""
+    benchmark, tf32 = torch.backends.cudnn.benchmark, tf32_enabled()
+    yield
+    torch.backends.cudnn.benchmark = benchmark
+    set_tf32(tf32)
+
+
+def speed_cfg(**values):
+    defaults = {"channels_last": "auto", "cudnn_benchmark": True, "tf32": False,
+                "compile": "off", "optimizer_impl": "auto"}  # fmt: skip
+    return OmegaConf.create({**defaults, **values})
+
+
+def conv_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(2))
+
+
+def test_every_switch_reaches_the_model_the_optimizer_and_the_backends(compose_cfg, tmp_path):
+    cfg = compose_cfg(
+        "speed.channels_last=true",
+        "speed.tf32=true",
+        "speed.cudnn_benchmark=true",
+        "speed.optimizer_impl=fused",
+    )
+    set_tf32(False)
+    torch.backends.cudnn.benchmark = False
+    run(cfg, tmp_path / "out")
+    assert torch.backends.cudnn.benchmark is True
+    assert tf32_enabled()
+    assert torch.get_float32_matmul_precision() == "high"
+    conv = final_params(tmp_path / "out")["0.weight"]  # simple_cnn's first convolution
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+
+    run_ = only_run(cfg.mlflow.tracking_uri)
+    tags, params = run_.data.tags, run_.data.params
+    assert tags["speed"] == "tf32+cl+fused"
+    assert run_.info.run_name == "simple_cnn-single-fp32-tf32+cl+fused"
+    assert (tags["channels_last"], tags["tf32"], tags["cudnn_benchmark"]) == ("true",) * 3
+    assert tags["optimizer_impl"] == "fused" and tags["compile"] == "off"
+    assert tags["data_placement"] == params["data_placement"] == "device"
+    assert params["speed.channels_last"] == "True" and params["speed.optimizer_impl"] == "fused"
+    assert "compile_s" not in run_.data.metrics
+
+
+@pytest.mark.parametrize(
+    ("impl", "expected"),
+    [("fused", {"fused": True}), ("foreach", {"foreach": True}), ("for_loop", {"foreach": False})],
+)
+def test_the_optimizer_implementation_is_the_one_asked_for(compose_cfg, impl, expected):
+    cfg = compose_cfg("optimizer=adamw")
+    switches = SpeedSwitches.resolve(speed_cfg(optimizer_impl=impl), CPU, conv_net())
+    model = nn.Linear(3, 2)
+    optimizer = build_optimizer(
+        cfg.optimizer, model.parameters(), 0.1, **switches.optimizer_kwargs()
+    )
+    for key, value in expected.items():
+        assert optimizer.defaults[key] is value
+    model(torch.ones(4, 3)).sum().backward()
+    optimizer.step()  # the chosen kernels run here
+
+
+def test_deterministic_wins_over_autotuning_and_tf32():
+    switches = SpeedSwitches.resolve(
+        speed_cfg(cudnn_benchmark=True, tf32=True), CPU, conv_net(), deterministic=True
+    )
+    assert not switches.cudnn_benchmark and not switches.tf32
+    torch.backends.cudnn.benchmark = True
+    set_tf32(True)
+    switches.apply_backends()
+    assert torch.backends.cudnn.benchmark is False and not tf32_enabled()
+
+
+def test_channels_last_auto_is_off_on_a_cpu_and_refused_for_a_model_without_convolutions():
+    assert SpeedSwitches.resolve(speed_cfg(), CPU, conv_net()).channels_last is False
+    mlp = nn.Sequential(nn.Flatten(), nn.Linear(12, 2))
+    assert SpeedSwitches.resolve(speed_cfg(channels_last="auto"), CPU, mlp).channels_last is False
+    with pytest.raises(SpeedConfigError, match=r"speed\.channels_last=true.*no 2-D convolution"):
+        SpeedSwitches.resolve(speed_cfg(channels_last=True), CPU, mlp)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("speed.compile=fast", "speed.compile='fast'"),
+        ("data.on_device=maybe", "data.on_device='maybe'"),
+        ("speed.channels_last=sometimes", "speed.channels_last='sometimes'"),
+        ("speed.optimizer_impl=apex", "speed.optimizer_impl='apex'"),
+        ("model=mlp speed.channels_last=true", "speed.channels_last=true"),
+        ("data.on_device=true data.num_workers=2", "data.on_device=true"),
+    ],
+)
+def test_a_bad_switch_stops_before_training_with_one_message(override, named, tmp_path):
+    result = run_cli(
+        "data=synthetic", *override.split(), f"mlflow.tracking_uri=sqlite:///{tmp_path}/m.db",
+        tmp_path=tmp_path,
+    )  # fmt: skip
+    text = result.stdout + result.stderr
+    assert result.returncode == 2, text
+    assert "Traceback" not in text and named in text, text
+    assert "epoch 1" not in text  # nothing trained
+
+
+def test_a_compiled_run_reports_its_compile_time_apart_from_its_throughput(compose_cfg, tmp_path):
+    cfg = compose_cfg("speed.compile=default", "epochs=2", "max_steps_per_epoch=5")
+    run(cfg, tmp_path / "out")
+    run_ = only_run(cfg.mlflow.tracking_uri)
+    client = MlflowClient(cfg.mlflow.tracking_uri)
+    compile_s = client.get_metric_history(run_.info.run_id, "compile_s")
+    assert [m.step for m in compile_s] == [1] and compile_s[0].value > 0  # the first epoch only
+    epoch_time = {
+        m.step: m.value for m in client.get_metric_history(run_.info.run_id, "epoch_time_s")
+    }
+    speed = {m.step: m.value for m in client.get_metric_history(run_.info.run_id, "samples_per_s")}
+    # epoch 1's throughput counts its 2 steps after the 3 warm-up steps, in the time they took
+    assert speed[1] == pytest.approx(2 * cfg.data.batch_size / epoch_time[1], rel=1e-6)
+    assert compile_s[0].value > epoch_time[1]  # compiling costs more than two small steps
+    assert run_.data.tags["compile"] == "default"
+    assert run_.info.run_name.endswith("-compile:default")
+
+
+def test_model_parallel_compiles_each_stage_and_keeps_the_outputs(compose_cfg):
+    cfg = compose_cfg("parallelism=model", "parallelism.stages=2", "model.dropout=0")
+    strategy = build_strategy(cfg)
+    strategy.setup()
+    torch.manual_seed(0)
+    model = build_model(cfg.model, 3, 10, 16)
+    expected = model.eval()(torch.ones(4, 3, 16, 16))
+    wrapped = strategy.compile(strategy.wrap_model(model), "default").eval()
+    assert all(stage._compiled_call_impl is not None for stage in strategy.pipeline.stages)
+    assert wrapped._compiled_call_impl is None  # the clock loop between stages stays eager
+    torch.testing.assert_close(wrapped(torch.ones(4, 3, 16, 16)), expected)
+    assert list(strategy.unwrap(wrapped).state_dict()) == list(model.state_dict())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", "horovod"])
+def test_two_compiled_workers_with_amp_train_as_the_eager_ones_do(
+    name, tmp_path, mlflow_template_db
+):
+    """DDP (the DDP module compiled whole) and Horovod (the model compiled, its hooks on the
+    gradients intact), bf16 autocast: the same parameters as eager workers, to rounding."""
+    from conftest import compose_config, new_store
+
+    common = (*EXACT, f"parallelism={name}", "parallelism.nprocs=2", "data.batch_size=32",
+              "precision=amp",
+              "max_steps_per_epoch=4")  # fmt: skip
+    results = {}
+    for mode in ("off", "default"):
+        uri = new_store(tmp_path / mode, mlflow_template_db)
+        cfg = compose_config(uri, *common, f"speed.compile={mode}")
+        metrics = launch(cfg, tmp_path / mode / "out")
+        assert all(math.isfinite(v) for v in metrics.values())
+        results[mode] = final_params(tmp_path / mode / "out")
+        run_ = only_run(uri)
+        assert run_.info.status == "FINISHED"
+        assert ("compile_s" in run_.data.metrics) == (mode != "off")
+    assert_same_params(results["default"], results["off"])
+
+
+@pytest.mark.slow
+def test_the_speedups_study_runs_one_child_per_rung(tmp_path):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    result = run_cli(
+        "-m", "+experiment=speedups", "data.num_train=256", "data.num_test=128",
+        "data.image_size=16", "data.batch_size=32", "epochs=1", "max_steps_per_epoch=4",
+        "progress=false", "threads=1", f"mlflow.tracking_uri={uri}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name("speedups").experiment_id])
+    (parent,) = [r for r in runs if r.data.tags.get("accelexp.sweep") == "true"]
+    children = {
+        r.data.tags["rung"]: r
+        for r in runs
+        if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+    }
+    assert list(children) and len(children) == len(runs) - 1 == 6
+    rungs = sorted(children.values(), key=lambda r: int(r.data.tags["rung_index"]))
+    summary = [(r.data.tags["rung"], r.data.tags["precision"], r.data.tags["speed"]) for r in rungs]
+    assert summary == [
+        ("fp32", "fp32", "eager"),
+        ("tf32", "fp32", "tf32"),
+        ("channels_last", "fp32", "tf32+cl"),
+        ("amp", "amp", "tf32+cl"),
+        ("bf16", "bf16", "tf32+cl"),
+        ("compile", "bf16", "tf32+cl+compile:default"),
+    ]
+    assert all(r.info.status == "FINISHED" for r in rungs)
+    assert "compile_s" in rungs[-1].data.metrics
+
+
+def test_an_overflowing_step_is_skipped_the_scale_halves_and_training_goes_on():
+    """The loop's handling of an inf gradient under a GradScaler. The product scales losses only
+    for fp16 on CUDA (`scripts/gpu_check.py` checks it there); here the precision is given a
+    real CPU GradScaler, so the same loop, strategy and scaler code runs."""
+    from torch.utils.data import SequentialSampler
+
+    from accelexp.data import BatchLoader, ImageSet
+    from accelexp.engine import Trainer
+    from accelexp.parallel.single import SingleDevice
+    from accelexp.precision import Precision
+
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8)
+    loader = BatchLoader(ImageSet(images, torch.arange(32) % 4), 8, SequentialSampler(range(32)),
+                         CPU, [0.5] * 3, [0.25] * 3)  # fmt: skip
+    model = nn.Sequential(nn.Flatten(), nn.Linear(192, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision = Precision("fp32", CPU)
+    precision.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    strategy = SingleDevice(OmegaConf.create({"accumulate_steps": 1}))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    trainer = Trainer(model, optimizer, scheduler, precision, strategy, progress=False)
+
+    backward_passes, snapshots, stepped = [0], [], []
+    weight = model[1].weight
+
+    def poison_second_backward(grad):
+        backward_passes[0] += 1
+        return grad * math.inf if backward_passes[0] == 2 else grad
+
+    weight.register_hook(poison_second_backward)
+    optimizer.register_step_post_hook(lambda *_: stepped.append(backward_passes[0]))
+    loader_iter = iter(loader)
+
+    class Recording:  # the loader, with the weights seen before each batch recorded
+        def __len__(self):
+            return len(loader)
+
+        def set_epoch(self, epoch):
+            loader.set_epoch(epoch)
+
+        def __iter__(self):
+            for batch in loader_iter:
+                snapshots.append(weight.detach().clone())
+                yield batch
+
+    result = trainer.train_epoch(Recording(), epoch=1)
+    snapshots.append(weight.detach().clone())
+    assert stepped == [1, 3, 4]  # the optimizer did not step on the second batch
+    assert torch.equal(snapshots[2], snapshots[1])  # so the weights did not move
+    assert not torch.equal(snapshots[3], snapshots[2])  # and training went on
+    assert precision.grad_scale() == 512.0  # halved once
+    assert torch.isfinite(weight).all() and math.isfinite(result.loss)
