@@ -1,0 +1,81 @@
+"""Put the runs of a sweep or an experiment side by side: speedup, scaling efficiency, AMP gain,
+and for the speed-up ladder study each rung's gain over the last.
+
+    accelexp-report --experiment scaling
+    accelexp-report --sweep latest --format markdown
+    accelexp-report --sweep <parent run id> --baseline "world_size=1,precision=fp32,parallelism=ddp"
+    accelexp-report --experiment speedups --sweep latest
+
+- `compare` — one `Row` per run: throughput, speedup against a baseline, efficiency, AMP gain.
+- `ladder` — one `LadderRow` per rung of `+experiment=speedups`: gain over the last, over fp32.
+- `formats` — CSV, JSON, markdown and rich tables of either; summary/ladder files.
+- `plots` — the PNGs: throughput, efficiency, accuracy vs time, the ladder's bars.
+- `cli` — `main` (the `accelexp-report` command) and `write_sweep_report` (a sweep's own report).
+
+`compare` and `ladder` are pure (records in, rows out); the rest are thin layers on them. MLflow is
+read and written only through `accelexp.tracking.query`.
+"""
+
+from accelexp.report.cli import (
+    DEFAULT_TRACKING_URI,
+    FORMATS,
+    build_parser,
+    main,
+    write_sweep_report,
+)
+from accelexp.report.compare import (
+    BASELINE_KEYS,
+    COLUMNS,
+    CONFIG_KEYS,
+    DEFAULT_BASELINE,
+    BaselineError,
+    Row,
+    compare,
+    parse_baseline,
+    throughput,
+)
+from accelexp.report.formats import (
+    LADDER,
+    RUNS,
+    Layout,
+    render_table,
+    to_csv,
+    to_json,
+    to_markdown,
+    write_tables,
+)
+from accelexp.report.ladder import LADDER_COLUMNS, RUNG_NAMES, LadderRow, ladder
+from accelexp.report.plots import LADDER_PLOT, PLOT_NAMES, plot_ladder, write_plots
+
+__all__ = [
+    "BASELINE_KEYS",
+    "COLUMNS",
+    "CONFIG_KEYS",
+    "DEFAULT_BASELINE",
+    "DEFAULT_TRACKING_URI",
+    "FORMATS",
+    "LADDER",
+    "LADDER_COLUMNS",
+    "LADDER_PLOT",
+    "PLOT_NAMES",
+    "RUNG_NAMES",
+    "RUNS",
+    "BaselineError",
+    "LadderRow",
+    "Layout",
+    "Row",
+    "build_parser",
+    "compare",
+    "ladder",
+    "main",
+    "parse_baseline",
+    "plot_ladder",
+    "render_table",
+    "throughput",
+    "to_csv",
+    "to_json",
+    "to_markdown",
+    "write_plots",
+    "write_sweep_report",
+    "write_tables",
+]

@@ -1,0 +1,191 @@
+"""The entry points: the `accelexp-report` command and the report a sweep writes when it ends.
+
+Both select runs (an experiment, a sweep's children), compare them, and write the tables and
+plots; the command also prints the tables in the `--format` asked for. With runs of the speed-up
+ladder in the selection, the ladder follows the main table everywhere: a second rich table, a
+second markdown table under a heading, a second CSV block after a blank line, and in JSON
+`{"runs": [...], "ladder": [...]}` (a selection without a ladder keeps the plain list of runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from accelexp.errors import AccelexpError
+from accelexp.report.compare import (
+    BASELINE_KEYS,
+    DEFAULT_BASELINE,
+    Row,
+    compare,
+    parse_baseline,
+)
+from accelexp.report.formats import (
+    LADDER,
+    render_table,
+    to_csv,
+    to_json,
+    to_markdown,
+    to_records,
+    write_tables,
+)
+from accelexp.report.ladder import LadderRow, ladder, ladder_subject
+from accelexp.report.plots import LADDER_PLOT, PLOT_NAMES, write_plots
+from accelexp.tracking import query
+from accelexp.tracking.query import RunRecord
+
+DEFAULT_TRACKING_URI = "sqlite:///outputs/mlflow.db"
+FORMATS = ("table", "csv", "markdown", "json")
+
+
+def write_sweep_report(
+    tracking_uri: str, sweep_run_id: str, out_dir: Path, baseline: str = DEFAULT_BASELINE
+) -> list[Path]:
+    """summary.csv, summary.md and the plots of a sweep (and ladder.csv, ladder.md, ladder.png
+    when its runs are rungs of the speed-up ladder), logged under `report/` of its parent run.
+
+    Called at the end of every sweep, so a sweep without a baseline run still gets its table
+    (speedup and efficiency left blank) instead of an error.
+    """
+    out_dir = Path(out_dir)
+    records = query.child_runs(tracking_uri, sweep_run_id)
+    rows = compare(records, baseline, strict=False)
+    rungs = ladder(records)
+    paths = write_tables(rows, out_dir, rungs) + write_plots(rows, records, out_dir, rungs)
+    query.log_artifacts(tracking_uri, sweep_run_id, paths, "report")
+    return paths
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=,+-]+", "_", name).strip("._") or "report"
+
+
+def _select(args: argparse.Namespace) -> tuple[str, str, list[RunRecord]]:
+    """(report name, title, runs) for --experiment and/or --sweep."""
+    uri = args.tracking_uri
+    if args.sweep is None:
+        records = query.experiment_runs(uri, query.experiment_id(uri, args.experiment))
+        name, title = args.experiment, f"Experiment {args.experiment}"
+        if not records:
+            raise query.NoRunsError(f"Experiment {args.experiment!r} has no runs in {uri}.")
+        return name, title, records
+    if args.sweep == "latest":
+        parent = query.latest_sweep(uri, args.experiment)
+    else:
+        parent = query.run_record(uri, args.sweep)
+        if args.experiment is not None:
+            wanted = query.experiment_id(uri, args.experiment)
+            if parent.experiment_id != wanted:
+                raise query.UnknownRunError(
+                    f"Run {args.sweep} is not in experiment {args.experiment!r}."
+                )
+    records = query.child_runs(uri, parent.run_id)
+    if not records:
+        raise query.NoRunsError(
+            f"Run {parent.name!r} ({parent.run_id}) has no child runs: it is not a sweep's "
+            f"parent run, or its sweep started no job."
+        )
+    return parent.name, f"Sweep {parent.name} ({parent.run_id})", records
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="accelexp-report",
+        description="Compare the runs of an experiment or a sweep: throughput, speedup, scaling "
+        "efficiency, AMP gain, accuracy and memory; writes summary.csv/.md and plots. Runs of "
+        "the speed-up ladder (+experiment=speedups) also get the ladder: ladder.csv/.md/.png.",
+        epilog="examples:\n  accelexp-report --experiment scaling\n"
+        "  accelexp-report --sweep latest --format markdown\n"
+        '  accelexp-report --sweep latest --baseline "world_size=1,precision=fp32,'
+        'parallelism=ddp"\n'
+        "  accelexp-report --experiment speedups --sweep latest",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--experiment", metavar="NAME", help="all runs of this MLflow experiment")
+    parser.add_argument(
+        "--sweep",
+        metavar="RUN_ID|latest",
+        help="the runs of one sweep: its parent run id, or `latest` (within --experiment if given)",
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        default=DEFAULT_TRACKING_URI,
+        help="the MLflow store (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--baseline",
+        default=DEFAULT_BASELINE,
+        help=f"key=value,... over {', '.join(BASELINE_KEYS)} (default: %(default)s)",
+    )
+    parser.add_argument("--format", choices=FORMATS, default="table", help="stdout format")
+    parser.add_argument(
+        "--output-dir", type=Path, help="default: outputs/reports/<sweep or experiment name>"
+    )
+    parser.add_argument("--no-plots", action="store_true", help="write the tables only")
+    return parser
+
+
+def _print_tables(rows: Sequence[Row], rungs: Sequence[LadderRow], title: str, fmt: str) -> None:
+    """The main table, then the ladder's when there is one, in the format asked for."""
+    ladder_title = f"Speed-up ladder: {ladder_subject(rungs)}"
+    if fmt == "table":
+        from rich.console import Console
+
+        tables = [render_table(rows, title)]
+        if rungs:
+            tables.append(render_table(rungs, ladder_title, LADDER))
+        console = Console()
+        if not console.is_terminal:  # a pipe or a file: the whole table, however wide
+            width = max(Console(width=10_000).measure(t).maximum for t in tables)
+            console = Console(width=width)
+        for table in tables:
+            console.print(table)
+    elif fmt == "json" and rungs:
+        document = {"runs": to_records(rows), "ladder": to_records(rungs)}
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+    elif fmt == "json":
+        sys.stdout.write(to_json(rows))
+    elif fmt == "csv":
+        sys.stdout.write(to_csv(rows) + (f"\n{to_csv(rungs, LADDER)}" if rungs else ""))
+    else:
+        ladder_section = f"\n### {ladder_title}\n\n{to_markdown(rungs, LADDER)}"
+        sys.stdout.write(to_markdown(rows) + (ladder_section if rungs else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `accelexp-report` command. Exit 0, or 2 with one line on stderr."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.experiment is None and args.sweep is None:
+        parser.error("give --experiment NAME and/or --sweep RUN_ID|latest")
+    try:
+        parse_baseline(args.baseline)
+        name, title, records = _select(args)
+        rows = compare(records, args.baseline)
+        rungs = ladder(records)
+        out_dir = args.output_dir or Path("outputs") / "reports" / _safe_name(name)
+        written = write_tables(rows, out_dir, rungs)
+        if not args.no_plots:
+            written += write_plots(rows, records, out_dir, rungs)
+    except (AccelexpError, OSError) as error:
+        print(f"accelexp-report: error: {error}", file=sys.stderr)
+        return 2
+
+    _print_tables(rows, rungs, f"{title} — baseline {args.baseline}", args.format)
+    print(f"Wrote {', '.join(p.name for p in written)} to {out_dir}", file=sys.stderr)
+    plots = [*PLOT_NAMES, LADDER_PLOT] if rungs else list(PLOT_NAMES)
+    skipped = [] if args.no_plots else [n for n in plots if out_dir / n not in written]
+    if skipped:
+        print(f"Skipped {', '.join(skipped)}: no data to plot", file=sys.stderr)
+    for row in rows:
+        if row.status == "FAILED":
+            print(
+                f"Run {row.run_name} ({row.run_id}) FAILED: its error is in the run's "
+                f"artifact error.txt",
+                file=sys.stderr,
+            )
+    return 0

@@ -1,0 +1,193 @@
+"""The report's tables as text: CSV, JSON, GitHub markdown and a rich Table, and their files.
+
+One `Layout` per kind of row says which fields become columns and how a cell reads: `RUNS` for
+the main table (`compare.Row`), `LADDER` for the speed-up ladder (`ladder.LadderRow`). CSV and JSON
+carry every field unrounded with blanks/null for missing figures; markdown and the rich table are
+rounded for reading, failed runs stand out.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from accelexp.report.compare import Row
+from accelexp.report.ladder import LadderRow
+
+LADDER_NAMES = ("ladder.csv", "ladder.md")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How rows of one dataclass read as a table."""
+
+    row_type: type
+    headers: Mapping[str, str]  # attribute -> header, in the order the readable tables show them
+    display: Mapping[str, str] = field(default_factory=dict)  # attribute -> format of a number
+    numeric: frozenset[str] = frozenset()  # right-aligned
+    optional: frozenset[str] = frozenset()  # left out of readable tables when blank in every row
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Every field, in declaration order: the CSV header."""
+        return tuple(f.name for f in fields(self.row_type))
+
+    def shown(self, rows: Sequence[Any]) -> dict[str, str]:
+        """The headers of the readable tables for these rows."""
+        return {
+            key: header
+            for key, header in self.headers.items()
+            if key not in self.optional or any(getattr(row, key) is not None for row in rows)
+        }
+
+    def cell(self, key: str, value: Any) -> str:
+        if value is None:
+            return ""
+        return self.display.get(key, "{}").format(value)
+
+
+RUNS_DISPLAY = {
+    "samples_per_s": "{:.1f}",
+    "speedup": "{:.2f}×",
+    "scaling_efficiency": "{:.2f}",
+    "amp_gain": "{:.2f}×",
+    "best_val_acc": "{:.4f}",
+    "test_acc": "{:.4f}",
+    "time_to_target_s": "{:.1f}",
+    "compile_s": "{:.1f}",
+    "peak_mem_mb": "{:.1f}",
+}
+RUNS = Layout(
+    row_type=Row,
+    headers={
+        "run_name": "run",
+        "status": "status",
+        "parallelism": "parallelism",
+        "world_size": "workers",
+        "precision": "precision",
+        "speed": "speed",
+        "model": "model",
+        "data": "data",
+        "samples_per_s": "samples/s",
+        "speedup": "speedup",
+        "scaling_efficiency": "efficiency",
+        "amp_gain": "AMP gain",
+        "best_val_acc": "best val acc",
+        "test_acc": "test acc",
+        "time_to_target_s": "time to target (s)",
+        "compile_s": "compile (s)",
+        "peak_mem_mb": "peak mem (MB)",
+        "baseline_run": "baseline",
+    },
+    display=RUNS_DISPLAY,
+    numeric=frozenset(RUNS_DISPLAY) | {"world_size"},
+    optional=frozenset({"compile_s"}),
+)
+LADDER_DISPLAY = {
+    "samples_per_s": "{:.1f}",
+    "gain_vs_fp32": "{:.2f}×",
+    "compile_s": "{:.1f}",
+    "best_val_acc": "{:.4f}",
+    "test_acc": "{:.4f}",
+    "peak_mem_mb": "{:.1f}",
+}
+LADDER = Layout(
+    row_type=LadderRow,
+    headers={
+        "rung_index": "#",
+        "rung": "rung",
+        "precision": "precision",
+        "speed": "speed",
+        "samples_per_s": "samples/s",
+        "vs_previous": "vs previous rung",
+        "gain_vs_fp32": "vs fp32",
+        "compile_s": "compile (s)",
+        "best_val_acc": "best val acc",
+        "test_acc": "test acc",
+        "peak_mem_mb": "peak mem (MB)",
+        "status": "status",
+    },
+    display=LADDER_DISPLAY,
+    numeric=frozenset(LADDER_DISPLAY) | {"rung_index", "vs_previous"},
+)
+
+
+# --- text ---------------------------------------------------------------------------------------
+def to_csv(rows: Sequence[Any], layout: Layout = RUNS) -> str:
+    """Every column, numbers unrounded, blanks for missing figures."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(layout.columns)
+    for row in rows:
+        writer.writerow("" if v is None else v for v in asdict(row).values())
+    return out.getvalue()
+
+
+def to_json(rows: Sequence[Any]) -> str:
+    """A list of row objects, numbers unrounded, null for missing figures."""
+    return json.dumps(to_records(rows), indent=2) + "\n"
+
+
+def to_records(rows: Sequence[Any]) -> list[dict[str, Any]]:
+    """The rows as plain dicts (what `to_json` writes), to nest in a larger JSON document."""
+    return [asdict(row) for row in rows]
+
+
+def to_markdown(rows: Sequence[Any], layout: Layout = RUNS) -> str:
+    """A GitHub table, rounded for reading; failed runs in bold."""
+    headers = layout.shown(rows)
+    lines = [
+        "| " + " | ".join(headers.values()) + " |",
+        "|" + "|".join("---:" if k in layout.numeric else "---" for k in headers) + "|",
+    ]
+    for row in rows:
+        cells = []
+        for key in headers:
+            text = layout.cell(key, getattr(row, key)).replace("|", "\\|")
+            if key == "status" and row.status != "FINISHED":
+                text = f"**{text}**"
+            cells.append(text)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def render_table(rows: Sequence[Any], title: str | None = None, layout: Layout = RUNS) -> Any:
+    """A rich Table of the rows (print it with a rich Console)."""
+    from rich.table import Table
+
+    headers = layout.shown(rows)
+    table = Table(title=title, header_style="bold")
+    for key, header in headers.items():
+        table.add_column(header, justify="right" if key in layout.numeric else "left")
+    for row in rows:
+        style = "red" if row.status == "FAILED" else ("yellow" if row.status != "FINISHED" else "")
+        cells = (layout.cell(key, getattr(row, key)) for key in headers)
+        table.add_row(*cells, style=style or None)
+    return table
+
+
+# --- files --------------------------------------------------------------------------------------
+def write_tables(
+    rows: Sequence[Row], out_dir: Path, ladder_rows: Sequence[LadderRow] = ()
+) -> list[Path]:
+    """summary.csv and summary.md; ladder.csv and ladder.md when there are ladder rows."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tables = {"summary.csv": to_csv(rows), "summary.md": to_markdown(rows)}
+    if ladder_rows:
+        tables |= {
+            "ladder.csv": to_csv(ladder_rows, LADDER),
+            "ladder.md": to_markdown(ladder_rows, LADDER),
+        }
+    for name in LADDER_NAMES:  # no ladder now: no older report's ladder left behind
+        if name not in tables:
+            (out_dir / name).unlink(missing_ok=True)
+    paths = []
+    for name, text in tables.items():
+        (out_dir / name).write_text(text)
+        paths.append(out_dir / name)
+    return paths
