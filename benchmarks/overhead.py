@@ -24,7 +24,7 @@ from timing import timed
 from torch.utils.data import RandomSampler
 
 from accelexp.config import register_configs
-from accelexp.data import BatchLoader, build_data
+from accelexp.data import BatchLoader, build_data, resolve_on_device
 from accelexp.engine import Trainer
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
@@ -90,6 +90,7 @@ def compare(precision, args, cfg, data, strategy, fresh, images, labels) -> None
     loader = BatchLoader(
         data.train, args.batch_size, RandomSampler(range(len(data.train))), device,
         data.mean, data.std, augment=cfg.data.augment, drop_last=True,
+        on_device=resolve_on_device(cfg.data.on_device, device, data.nbytes),  # as run.py does
     )  # fmt: skip
 
     def accelexp_epoch():

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
+from accelexp.config import ConfigError
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Strategy
 
@@ -50,3 +51,13 @@ class DataParallel(Strategy):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, nn.DataParallel) else model
+
+    def compile(self, model: nn.Module, mode: str) -> nn.Module:
+        if isinstance(model, nn.DataParallel):
+            raise ConfigError(
+                f"speed.compile={mode} with parallelism=dp over {len(self.device_ids)} GPUs: "
+                f"torch.compile cannot trace DataParallel's threads and runs it eagerly (the "
+                f"'compiled' figures would be eager ones). Use parallelism=ddp with "
+                f"parallelism.nprocs={len(self.device_ids)}, or speed.compile=off."
+            )
+        return super().compile(model, mode)
