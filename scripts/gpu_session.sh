@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# THE one script a session with a GPU runs on the device machine, from the repo root: checks,
+# the speed-up ladder and the parity benchmark in one call that ends in under 9 minutes.
+#
+# Prepare, here, once per checkout (the device machine has torch 2.11 but no hydra, omegaconf
+# or mlflow, and no internet):
+#   bash ../shared/gpu/wheelhouse.sh        # fills ./.whl (~35 MB of wheels for Python 3.12)
+#   echo /.whl/ >> .git/info/exclude        # keep them out of git; they travel by `carry`
+#   DRY_RUN=1 bash scripts/gpu_session.sh   # prints the steps and their time limits, runs nothing
+# Then make exactly this device call (the `run` tool), once:
+#   run(command="bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=570)
+# and give the machine back (`give_back`) unless you rerun at once. What comes back under $OUT
+# (at most 8 files): session.log, gpu_check.log, gpu_check.json, ladder.log, ladder.md,
+# ladder.png, parity.log, parity.md.
+#
+# The plan, each step under `timeout` within SESSION_S (525 s) from the start (the ~ figures are
+# estimates for an H200; the logs say what it took):
+#   ~0:00  wheels into /tmp/site, nvidia-smi, torch/CUDA/GPU          ~20 s  (at most 120 + 60)
+#   ~0:20  scripts/gpu_check.py, checks 1-9 (5 run.py jobs, one compiled) ~120 s (at most 170)
+#   ~2:20  the speed-up ladder: 6 rungs of ResNet-50 at 224 px, batch 256, 2 epochs of 12 steps
+#          (the compile rung compiles ~60 s), then its report (ladder.md)  ~160 s (at most 200 + 60)
+#   ~5:00  benchmarks/gpu_parity.py --plan quick with what is left (~200 s) as --deadline-s: every
+#          configuration once (~115 s), the compiled pair (~75 s), then second repeats while they
+#          fit; pairs that would end after the deadline are skipped and listed, so it always ends
+#          with its table. Planned in full (~5 min) it needs a session of its own.
+# The ladder runs 12 steps per epoch (3072 images), not 30: each of its 6 jobs generates its
+# synthetic set on the host, and at 224 px that costs seconds per thousand images.
+# Environment: OUT (default outputs/gpu_session), PYTHON (default python3), SESSION_S, DRY_RUN.
+set -uo pipefail # no -e: one failed step must not stop the others
+export PYTHONUNBUFFERED=1 GIT_PYTHON_REFRESH=quiet
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-$PWD/outputs/gpu_session}
+PY=${PYTHON:-python3}
+SESSION_S=${SESSION_S:-525}
+DRY_RUN=${DRY_RUN:-}
+mkdir -p "$OUT"
+WORK=$(mktemp -d /tmp/accelexp-session.XXXXXX)
+LADDER_URI="sqlite:///$WORK/ladder.db"
+FAILED=()
+
+left() { echo $((SESSION_S - SECONDS)); }
+log() { echo "[$(date +%T) +${SECONDS}s] $*" | tee -a "$OUT/session.log"; }
+
+# step NAME LOG SECONDS COMMAND...: COMMAND under `timeout` (cut to the session's time left),
+# its output shown and appended to $OUT/LOG; a non-zero exit (124: timed out) is remembered.
+step() {
+    local name=$1 logfile=$2 limit=$3
+    shift 3
+    local avail=$(($(left) - 5))
+    ((limit > avail)) && limit=$avail
+    if ((limit < 20)); then
+        log "SKIP $name: only ${avail}s of the session left"
+        FAILED+=("$name (skipped)")
+        return
+    fi
+    log "START $name (timeout ${limit}s): $*"
+    if [[ -n $DRY_RUN ]]; then
+        return
+    fi
+    timeout --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$OUT/$logfile"
+    local rc=$?
+    log "END $name: exit $rc$( ((rc == 124)) && echo ' (timed out)')"
+    ((rc == 0)) || FAILED+=("$name (exit $rc)")
+}
+
+log "accelexp GPU session: OUT=$OUT, work in $WORK, ${SESSION_S}s"
+if [[ -d .whl ]]; then
+    step wheels session.log 120 "$PY" -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+else
+    log "no .whl here: hydra, omegaconf and mlflow must already be importable"
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} # accelexp from the checkout, not installed
+if [[ -z $DRY_RUN ]]; then
+    { nvidia-smi || echo "nvidia-smi failed"; } 2>&1 | tee -a "$OUT/session.log"
+fi
+step versions session.log 60 "$PY" -c "import torch, hydra, omegaconf, mlflow
+print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'cuDNN', torch.backends.cudnn.version())
+print('GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+print('hydra', hydra.__version__, 'omegaconf', omegaconf.__version__, 'mlflow', mlflow.__version__)"
+
+step gpu_check gpu_check.log 170 "$PY" scripts/gpu_check.py --json "$OUT/gpu_check.json"
+
+step ladder ladder.log 200 "$PY" run.py -m +experiment=speedups model=resnet50 \
+    data.image_size=224 data.batch_size=256 epochs=2 max_steps_per_epoch=12 \
+    data.num_train=3072 data.val_fraction=0 data.num_test=256 data.eval_batch_size=256 \
+    progress=false "mlflow.tracking_uri=$LADDER_URI" "hydra.sweep.dir=$WORK/ladder"
+report_s=$(($(left) - 5 < 60 ? $(left) - 5 : 60))
+log "START report (timeout ${report_s}s)"
+if [[ -z $DRY_RUN ]] && ((report_s > 5)); then
+    timeout "$report_s" "$PY" -m accelexp.report --experiment speedups --tracking-uri "$LADDER_URI" \
+        --format markdown --output-dir "$WORK/report" >"$OUT/ladder.md" 2>>"$OUT/ladder.log"
+    rc=$?
+    log "END report: exit $rc"
+    ((rc == 0)) || FAILED+=("report (exit $rc)")
+    cp "$WORK/report/ladder.png" "$OUT/" 2>/dev/null || cp "$WORK/ladder/report/ladder.png" \
+        "$OUT/" 2>/dev/null || log "no ladder.png from the report"
+    cat "$OUT/ladder.md"
+fi
+
+deadline=$(($(left) - 25)) # the parity benchmark's own cut; `timeout` is the hard stop after it
+step parity parity.log $((deadline + 15)) "$PY" benchmarks/gpu_parity.py --plan quick \
+    --deadline-s "$deadline" --out "$OUT/parity.md"
+
+if [[ -n $DRY_RUN ]]; then # what the parity benchmark would plan with the whole session
+    "$PY" benchmarks/gpu_parity.py --plan quick --dry-run
+    rm -rf "$WORK"
+fi
+log "done in ${SECONDS}s; failed or skipped: ${FAILED[*]:-none}"
+[[ -f $OUT/gpu_check.json ]] && cat "$OUT/gpu_check.json"
+ls -la "$OUT" | tee -a "$OUT/session.log"
+((${#FAILED[@]} == 0))
