@@ -40,17 +40,23 @@ class ImageSet(Dataset):
     def subset(self, indices: torch.Tensor) -> ImageSet:
         return ImageSet(self.images[indices], self.labels[indices])
 
-    def channel_stats(self, chunk: int = 8192) -> tuple[list[float], list[float]]:
-        """Per-channel mean and std in [0, 1] units, computed in chunks to bound memory."""
-        total = torch.zeros(self.images.shape[1], dtype=torch.float64)
-        total_sq = torch.zeros_like(total)
-        for start in range(0, len(self), chunk):
-            x = self.images[start : start + chunk].to(torch.float64) / 255
-            total += x.sum(dim=(0, 2, 3))
-            total_sq += (x * x).sum(dim=(0, 2, 3))
-        count = len(self) * self.images.shape[2] * self.images.shape[3]
-        mean = total / count
-        std = (total_sq / count - mean**2).clamp_min(1e-12).sqrt()
+    def channel_stats(self, chunk_elements: int = 1 << 24) -> tuple[list[float], list[float]]:
+        """Per-channel mean and std in [0, 1] units, from exact integer sums over the pixels.
+
+        Chunks of about `chunk_elements` pixels bound the memory (int32 squares, int64 sums),
+        whatever the image size.
+        """
+        n, c, h, w = self.images.shape
+        chunk = max(1, chunk_elements // (c * h * w))
+        total = torch.zeros(c, dtype=torch.int64)
+        total_sq = torch.zeros(c, dtype=torch.int64)
+        for start in range(0, n, chunk):
+            x = self.images[start : start + chunk].to(torch.int32)
+            total += x.sum(dim=(0, 2, 3), dtype=torch.int64)
+            total_sq += (x * x).sum(dim=(0, 2, 3), dtype=torch.int64)
+        count = n * h * w
+        mean = total.double() / (count * 255)
+        std = (total_sq.double() / (count * 255**2) - mean**2).clamp_min(1e-12).sqrt()
         return mean.tolist(), std.tolist()
 
 
