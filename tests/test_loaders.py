@@ -158,3 +158,14 @@ def test_auto_holds_the_set_where_the_cpu_computes_unless_workers_were_asked_for
     assert resolve_on_device("auto", CPU, nbytes=10, num_workers=2) is False
     assert resolve_on_device(False, CPU, nbytes=10) is False
     assert resolve_on_device(True, CPU, nbytes=10**12) is True
+
+
+def test_auto_on_a_gpu_holds_the_set_when_it_takes_at_most_a_quarter_of_the_free_memory(
+    monkeypatch,
+):
+    """The rule alone (this machine has no GPU): free memory as CUDA would report it."""
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4_000, 10_000))
+    assert resolve_on_device("auto", gpu, nbytes=1_000) is True
+    assert resolve_on_device("auto", gpu, nbytes=1_001) is False
+    assert resolve_on_device("auto", gpu, nbytes=10, num_workers=1) is False
