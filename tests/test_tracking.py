@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import yaml
-from conftest import compose_config, new_store, only_run
+from conftest import REPO, compose_config, new_store, only_run
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
@@ -177,3 +180,36 @@ def test_a_disabled_tracker_writes_nothing(compose_cfg, tracking_uri):
     tracker.log_metrics({"x": 1.0}, step=1)
     tracker.end()
     assert MlflowClient(tracking_uri=tracking_uri).get_experiment_by_name("never") is None
+
+
+def test_three_runs_started_at_once_on_a_new_store_are_all_recorded(tmp_path):
+    """MLflow creates a new SQLite store's tables on first use; done by three processes at once
+    it failed ("table runs already exists") and could leave the store broken for later runs."""
+    uri = f"sqlite:///{tmp_path}/new.db"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "MLFLOW_"))}
+    jobs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "run.py",
+                "data=synthetic",
+                "data.num_train=256",
+                "epochs=1",
+                "max_steps_per_epoch=2",
+                "progress=false",
+                "threads=1",
+                f"mlflow.tracking_uri={uri}",
+                f"hydra.run.dir={tmp_path / f'job{i}'}",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(3)
+    ]
+    outputs = [job.communicate(timeout=600)[0] for job in jobs]
+    assert [job.returncode for job in jobs] == [0, 0, 0], "\n".join(outputs)
+    runs = MlflowClient(uri).search_runs(["1"])
+    assert sorted(r.info.status for r in runs) == ["FINISHED"] * 3

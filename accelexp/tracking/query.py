@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from accelexp.errors import AccelexpError
-from accelexp.tracking.runs import check_reachable
+from accelexp.tracking.runs import check_reachable, store_lock
 
 HISTORY_KEYS = ("samples_per_s", "val_acc", "elapsed_s", "peak_mem_mb")
 SWEEP_TAG = "accelexp.sweep"
@@ -78,7 +78,8 @@ def _client(uri: str) -> Any:
         check_reachable(uri)
     from mlflow import MlflowClient
 
-    return MlflowClient(tracking_uri=uri)
+    with store_lock(uri):  # not while a run is creating the store's tables
+        return MlflowClient(tracking_uri=uri)
 
 
 @contextlib.contextmanager

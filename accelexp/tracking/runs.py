@@ -9,13 +9,15 @@ process can hold several runs, e.g. in tests.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,24 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
             ) from error
 
 
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Hold `<store>.lock` while a SQLite store is opened: one process at a time creates its
+    tables and experiments. MLflow migrates a new store's schema on first use; two processes
+    doing it at once fail ("table runs already exists") and can leave the store broken. A
+    tracking server (http) serialises this itself: no lock."""
+    path = _sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 class Tracker:
     def __init__(self, cfg: DictConfig, enabled: bool = True) -> None:
         self.cfg = cfg
@@ -96,15 +116,16 @@ class Tracker:
         check_reachable(self.cfg.tracking_uri)
         from mlflow import MlflowClient
 
-        self._client = MlflowClient(tracking_uri=self.cfg.tracking_uri)
         try:
-            experiment = self._client.get_experiment_by_name(self.cfg.experiment)
-            if experiment is None:
-                self.experiment_id = self._client.create_experiment(
-                    self.cfg.experiment, artifact_location=self._artifact_location()
-                )
-            else:
-                self.experiment_id = experiment.experiment_id
+            with store_lock(self.cfg.tracking_uri):  # also: one creator of the experiment
+                self._client = MlflowClient(tracking_uri=self.cfg.tracking_uri)  # migrates
+                experiment = self._client.get_experiment_by_name(self.cfg.experiment)
+                if experiment is None:
+                    self.experiment_id = self._client.create_experiment(
+                        self.cfg.experiment, artifact_location=self._artifact_location()
+                    )
+                else:
+                    self.experiment_id = experiment.experiment_id
         except Exception as error:  # the store exists but cannot be opened or written
             raise TrackingUnavailableError(
                 f"Cannot use the MLflow store {self.cfg.tracking_uri}: {error}"
