@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from accelexp.data import BatchLoader
+from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
 
@@ -38,6 +39,34 @@ class EpochResult:
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.seconds
+
+
+class TrainingDivergedError(AccelexpError):
+    """The training loss stopped being a number; the message says where and what to try."""
+
+
+def check_diverged(
+    result: EpochResult, epoch: int, steps: int, precision: Precision, lr: float
+) -> None:
+    """Raise `TrainingDivergedError` when an epoch's mean training loss is not finite.
+
+    Checked once per epoch on the loss already summed over all ranks, so every rank decides
+    alike (no rank is left waiting in a collective) and no step pays a host sync for it. Under a
+    GradScaler a non-finite loss is a step it skips; only a collapsed scale (below 1, after
+    halving at every skip) means the run cannot recover.
+    """
+    if math.isfinite(result.loss):
+        return
+    scale = precision.grad_scale()
+    if scale is not None and scale >= 1.0:
+        return
+    collapsed = f" and the GradScaler's scale collapsed to {scale:g}" if scale is not None else ""
+    raise TrainingDivergedError(
+        f"Training diverged in epoch {epoch} (optimizer steps up to {epoch * steps}): the mean "
+        f"training loss is {result.loss}{collapsed}. Try a smaller learning rate (optimizer.lr, "
+        f"{lr:g} at the epoch's start), a warm-up (scheduler.warmup_epochs=1), or precision=fp32 "
+        f"if this ran in amp/bf16. What was logged up to here is kept in MLflow."
+    )
 
 
 def synchronize(device: torch.device) -> None:

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from accelexp.config import ConfigError, validate
 from accelexp.data import BatchLoader, DataBundle, build_data, resolve_on_device
-from accelexp.engine import Trainer, optimizer_steps_per_epoch
+from accelexp.engine import Trainer, check_diverged, optimizer_steps_per_epoch
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
 from accelexp.parallel import build_strategy
@@ -213,6 +213,9 @@ def _fit(
     resolved: dict,
 ) -> dict[str, float]:
     strategy, device = trainer.strategy, trainer.device
+    steps_per_epoch = optimizer_steps_per_epoch(
+        len(train_loader), cfg.max_steps_per_epoch, strategy.accumulate_steps
+    )
     checkpoint = output_dir / "checkpoints" / "best.pt"
     best_val_acc, time_to_target = -1.0, None
     run_start = time.perf_counter()
@@ -237,6 +240,7 @@ def _fit(
             "elapsed_s": elapsed,
         }
         tracker.log_metrics(metrics, step=epoch)
+        check_diverged(train, epoch, steps_per_epoch, trainer.precision, lr)
         if strategy.is_main:
             log.info(
                 "epoch %d/%d  train_loss %.4f  train_acc %.4f  val_loss %.4f  val_acc %.4f  "

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from accelexp.errors import AccelexpError
 from accelexp.parallel.world import current_world
 
 
@@ -31,9 +32,14 @@ def main(spec: Path) -> None:
 
         metrics = run(cfg, job["output_dir"], job["overrides"])
     except BaseException as error:
+        ours = isinstance(error, AccelexpError)  # a message for the user, not a bug
         (spec / "errors" / f"rank{world.rank}.txt").write_text(
-            f"{type(error).__name__}: {error}\n" + "".join(traceback.format_exception(error)[-3:])
+            f"{type(error).__name__}: {error}\n"
+            + ("" if ours else "".join(traceback.format_exception(error)[-3:]))
         )
+        if ours:
+            logging.getLogger("accelexp").error("%s", error)
+            sys.exit(1)
         raise
     if world.rank == 0:
         (spec / "result.json").write_text(json.dumps(metrics))

@@ -213,3 +213,25 @@ def test_three_runs_started_at_once_on_a_new_store_are_all_recorded(tmp_path):
     assert [job.returncode for job in jobs] == [0, 0, 0], "\n".join(outputs)
     runs = MlflowClient(uri).search_runs(["1"])
     assert sorted(r.info.status for r in runs) == ["FINISHED"] * 3
+
+
+@pytest.mark.parametrize("parallelism", ["single", "ddp"])
+def test_a_diverging_run_fails_with_one_message_and_keeps_what_it_logged(parallelism, tmp_path):
+    uri = f"sqlite:///{tmp_path}/m.db"
+    result = subprocess.run(
+        [sys.executable, "run.py", "data=synthetic", "data.num_train=256", "data.batch_size=32",
+         "epochs=3", "max_steps_per_epoch=3", "progress=false", "threads=1", "optimizer.lr=1e6",
+         f"parallelism={parallelism}", f"parallelism.nprocs={2 if parallelism == 'ddp' else 1}",
+         f"mlflow.tracking_uri={uri}", f"hydra.run.dir={tmp_path / 'job'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    text = result.stdout + result.stderr
+    assert result.returncode == 2, text
+    assert "Training diverged in epoch 1" in text and "optimizer.lr" in text, text
+    assert "accelexp/train.py" not in text, text  # no traceback through our code
+    if parallelism == "single":  # (torchrun prints its own ChildFailedError traceback)
+        assert "Traceback" not in text, text
+    (run_,) = MlflowClient(uri).search_runs(["1"])
+    assert run_.info.status == "FAILED"
+    assert math.isnan(run_.data.metrics["train_loss"])  # the diverged epoch is on record
+    assert "test_acc" not in run_.data.metrics  # and nothing after it ran
