@@ -4,17 +4,22 @@
 the sweep's overrides, tagged with the sweep dir, the override grid as params), handed to the jobs
 through the environment so each job's run — in this process, in worker processes or in a
 submitit/Slurm job — is its child; closed after the last job with a summary table and plots as
-artifacts, FAILED if any child failed. A single run has no parent.
+artifacts, FAILED if any child failed. A single run has no parent. A sweep whose parent cannot be
+opened (an unreachable tracking server, say) stops before its first job, exit 2.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
+
+from accelexp.errors import AccelexpError
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +54,14 @@ class MlflowSweep(Callback):
         from accelexp.tracking.runs import start_sweep
 
         grid = sweep_grid(config)
-        self.run_id = start_sweep(config.mlflow, sweep_name(grid), grid, config.hydra.sweep.dir)
+        try:
+            self.run_id = start_sweep(config.mlflow, sweep_name(grid), grid, config.hydra.sweep.dir)
+        except Exception as error:
+            # Hydra turns a callback's exception into a warning and runs the jobs anyway: without
+            # a parent, into a store that may not work, exiting 0. Stop the sweep here instead.
+            ours = isinstance(error, AccelexpError)
+            log.error("The sweep cannot start: %s", error if ours else traceback.format_exc())
+            sys.exit(2)
         log.info("MLflow parent run %s for this sweep", self.run_id)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:

@@ -106,3 +106,15 @@ def test_missing_dataset_exits_2_and_says_what_to_do(tmp_path, tmp_store):
     assert "CIFAR-10" in text
     assert str(empty) in text
     assert "data.download=true" in text or "data.root" in text
+
+
+def test_a_sweep_with_an_unreachable_tracking_server_stops_before_its_jobs(tmp_path):
+    uri = f"http://127.0.0.1:{free_port()}"
+    result = run_cli(
+        "-m", "precision=fp32,amp", "data=synthetic", f"mlflow.tracking_uri={uri}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    )  # fmt: skip
+    text = assert_clean_failure(result)
+    assert result.returncode == 2, text
+    assert "The sweep cannot start" in text and "unreachable" in text and uri in text
+    assert "Launching 2 jobs" not in text  # no job ran
