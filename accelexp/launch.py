@@ -144,7 +144,8 @@ def _run_process_group(command: list[str], threads: int | None) -> int:
 
 def _failure_message(cfg: DictConfig, spec: Path, returncode: int) -> str:
     """The first worker's error in full; the others (usually its consequences) in one line each."""
-    errors = sorted((spec / "errors").glob("rank*.txt"), key=lambda path: path.stat().st_mtime)
+    # ordered by when each rank failed (set to the nanosecond by accelexp.worker)
+    errors = sorted((spec / "errors").glob("rank*.txt"), key=lambda path: path.stat().st_mtime_ns)
     lines = [
         f"{cfg.parallelism.nprocs} {cfg.parallelism.name} workers failed "
         f"(launcher exit code {returncode})."

@@ -113,6 +113,11 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = ()) 
     strategy.setup()
     try:
         return _run(cfg, output_dir, overrides, strategy)
+    except BaseException as error:
+        # when it failed, before the teardown below makes the other ranks fail in turn: the
+        # launcher names the earliest failure as the cause (accelexp.worker, launch)
+        error.failed_at_ns = time.time_ns()
+        raise
     finally:
         strategy.teardown()
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -33,10 +35,13 @@ def main(spec: Path) -> None:
         metrics = run(cfg, job["output_dir"], job["overrides"])
     except BaseException as error:
         ours = isinstance(error, AccelexpError)  # a message for the user, not a bug
-        (spec / "errors" / f"rank{world.rank}.txt").write_text(
+        record = spec / "errors" / f"rank{world.rank}.txt"
+        record.write_text(
             f"{type(error).__name__}: {error}\n"
             + ("" if ours else "".join(traceback.format_exception(error)[-3:]))
         )
+        failed_at = getattr(error, "failed_at_ns", None) or time.time_ns()
+        os.utime(record, ns=(failed_at, failed_at))  # the launcher orders failures by this
         if ours:
             logging.getLogger("accelexp").error("%s", error)
             sys.exit(1)
