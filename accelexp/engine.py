@@ -45,9 +45,7 @@ class TrainingDivergedError(AccelexpError):
     """The training loss stopped being a number; the message says where and what to try."""
 
 
-def check_diverged(
-    result: EpochResult, epoch: int, steps: int, precision: Precision, lr: float
-) -> None:
+def check_diverged(result: EpochResult, epoch: int, precision: Precision, lr: float) -> None:
     """Raise `TrainingDivergedError` when an epoch's mean training loss is not finite.
 
     Checked once per epoch on the loss already summed over all ranks, so every rank decides
@@ -62,8 +60,8 @@ def check_diverged(
         return
     collapsed = f" and the GradScaler's scale collapsed to {scale:g}" if scale is not None else ""
     raise TrainingDivergedError(
-        f"Training diverged in epoch {epoch} (optimizer steps up to {epoch * steps}): the mean "
-        f"training loss is {result.loss}{collapsed}. Try a smaller learning rate (optimizer.lr, "
+        f"Training diverged in epoch {epoch}: the mean training loss is {result.loss}"
+        f"{collapsed}. Try a smaller learning rate (optimizer.lr, "
         f"{lr:g} at the epoch's start), a warm-up (scheduler.warmup_epochs=1), or precision=fp32 "
         f"if this ran in amp/bf16. What was logged up to here is kept in MLflow."
     )

@@ -218,9 +218,6 @@ def _fit(
     resolved: dict,
 ) -> dict[str, float]:
     strategy, device = trainer.strategy, trainer.device
-    steps_per_epoch = optimizer_steps_per_epoch(
-        len(train_loader), cfg.max_steps_per_epoch, strategy.accumulate_steps
-    )
     checkpoint = output_dir / "checkpoints" / "best.pt"
     best_val_acc, time_to_target = -1.0, None
     run_start = time.perf_counter()
@@ -245,7 +242,7 @@ def _fit(
             "elapsed_s": elapsed,
         }
         tracker.log_metrics(metrics, step=epoch)
-        check_diverged(train, epoch, steps_per_epoch, trainer.precision, lr)
+        check_diverged(train, epoch, trainer.precision, lr)
         if strategy.is_main:
             log.info(
                 "epoch %d/%d  train_loss %.4f  train_acc %.4f  val_loss %.4f  val_acc %.4f  "
