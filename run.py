@@ -16,9 +16,9 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from accelexp import callbacks
+from accelexp import callbacks, signals, startup
 from accelexp.config import register_configs
 from accelexp.errors import AccelexpError
 
@@ -30,20 +30,41 @@ register_configs()
 def main(cfg: DictConfig) -> float | None:
     from accelexp.launch import launch  # torch loads after Hydra has parsed the command line
     from accelexp.parallel.world import current_world
-    from accelexp.tracking.runs import RUN_ID_FILE, record_failure, run_tags
+    from accelexp.tracking import credentials
+    from accelexp.tracking.runs import RUN_ID_FILE, close_run, record_failure, run_tags
 
     hydra_cfg = HydraConfig.get()
-    output_dir, overrides = hydra_cfg.runtime.output_dir, hydra_cfg.overrides.task
+    output_dir = hydra_cfg.runtime.output_dir
+    overrides = OmegaConf.to_container(hydra_cfg.overrides.task)  # as typed: ${...} unresolved
+    # user:password@ in the tracking URI: into MLflow's env variables, out of all that is recorded
+    typed_uri = cfg.mlflow.tracking_uri
+    cfg.mlflow.tracking_uri = credentials.use_uri_credentials(typed_uri)
+    credentials.scrub_hydra_files(output_dir, typed_uri)
+    overrides = [credentials.strip(override) for override in overrides]
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    # a reused run folder: the run recorded there is another job's, never this one's to close
+    (Path(output_dir) / RUN_ID_FILE).unlink(missing_ok=True)
     try:
         return launch(cfg, output_dir, overrides)["test_acc"]
+    except KeyboardInterrupt as error:
+        stop = signals.interruption(error)
+        if current_world().rank == 0:  # its workers may have died before closing the run
+            close_run(cfg.mlflow, output_dir, "KILLED")
+        callbacks.abort_sweep("KILLED")
+        log.warning(
+            "Stopped by %s. The run is KILLED; what it logged is kept. Its last checkpoint is in "
+            "%s/checkpoints: continue with the same command and resume=auto.",
+            stop.name,
+            output_dir,
+        )
+        sys.exit(stop.exit_code)
     except Exception as error:
         ours = isinstance(error, AccelexpError)
         log.error("%s", error if ours else traceback.format_exc())
         first_rank = current_world().rank == 0  # under srun every task runs this function
         if first_rank and (in_sweep or (Path(output_dir) / RUN_ID_FILE).is_file()):
             tags = run_tags(cfg, cfg.parallelism.nprocs, overrides)
-            record_failure(cfg, output_dir, traceback.format_exc(), tags)
+            record_failure(cfg, output_dir, traceback.format_exc(), tags, overrides)
         if in_sweep:
             return None  # the sweep goes on; its parent run ends FAILED and says which job
         if ours:
@@ -52,6 +73,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
-    if callbacks.failed_in_last_sweep:
-        sys.exit(1)
+    sys.exit(startup.run_main(main))

@@ -4,8 +4,9 @@
 the sweep's overrides, tagged with the sweep dir, the override grid as params), handed to the jobs
 through the environment so each job's run — in this process, in worker processes or in a
 submitit/Slurm job — is its child; closed after the last job with a summary table and plots as
-artifacts, FAILED if any child failed. A single run has no parent. A sweep whose parent cannot be
-opened (an unreachable tracking server, say) stops before its first job, exit 2.
+artifacts, FAILED if any child failed; KILLED on SIGINT/SIGTERM (`abort_sweep`). A single run has
+no parent. A sweep whose parent cannot be opened (an unreachable tracking server, say) stops before
+its first job, exit 2; one whose parent cannot be closed exits 1.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict, read_write
 
 from accelexp.errors import AccelexpError
 
@@ -25,6 +26,28 @@ log = logging.getLogger(__name__)
 
 # children of the last sweep that FAILED: `run.py` exits non-zero after a sweep with failures
 failed_in_last_sweep = 0
+
+
+# (mlflow config, parent run id) of the sweep this process is running, for `abort_sweep`
+_active_sweep: tuple[DictConfig, str] | None = None
+
+
+def abort_sweep(status: str = "KILLED") -> None:
+    """Close the parent run of the sweep running in this process, if any (on SIGINT/SIGTERM,
+    Hydra stops without calling `on_multirun_end`)."""
+    global _active_sweep
+    if _active_sweep is None:
+        return
+    from accelexp.tracking.runs import end_sweep
+
+    mlflow_cfg, run_id = _active_sweep
+    _active_sweep = None
+    try:
+        children, failed, links = end_sweep(mlflow_cfg, run_id, status)
+    except Exception as error:
+        log.warning("Could not close the sweep's parent run %s: %s", run_id, error)
+        return
+    log.warning("Sweep %s after %d runs (%d failed). %s", status, children, failed, links)
 
 
 def sweep_grid(config: DictConfig) -> dict[str, str]:
@@ -51,8 +74,16 @@ class MlflowSweep(Callback):
         self.run_id: str | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from accelexp.tracking import credentials
         from accelexp.tracking.runs import start_sweep
 
+        # user:password@ in the tracking URI: into MLflow's env variables (the jobs inherit them),
+        # out of the overrides the jobs are composed from and of multirun.yaml, written after this
+        with read_write(config), open_dict(config):
+            config.mlflow.tracking_uri = credentials.use_uri_credentials(config.mlflow.tracking_uri)
+            overrides = config.hydra.overrides.task
+            config.hydra.overrides.task = [credentials.strip(o) for o in overrides]
+            config.hydra.job.override_dirname = credentials.strip(config.hydra.job.override_dirname)
         grid = sweep_grid(config)
         try:
             self.run_id = start_sweep(config.mlflow, sweep_name(grid), grid, config.hydra.sweep.dir)
@@ -63,6 +94,8 @@ class MlflowSweep(Callback):
             log.error("The sweep cannot start: %s", error if ours else traceback.format_exc())
             sys.exit(2)
         log.info("MLflow parent run %s for this sweep", self.run_id)
+        global _active_sweep
+        _active_sweep = (config.mlflow, self.run_id)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.run_id is None:
@@ -77,6 +110,12 @@ class MlflowSweep(Callback):
             log.info("Sweep summary: %s", ", ".join(str(p) for p in paths))
         except Exception as error:  # a report problem must not lose the sweep's runs
             log.warning("Could not write the sweep's summary: %s", error)
-        global failed_in_last_sweep
-        children, failed_in_last_sweep, links = end_sweep(config.mlflow, self.run_id)
+        global failed_in_last_sweep, _active_sweep
+        _active_sweep = None
+        try:
+            children, failed_in_last_sweep, links = end_sweep(config.mlflow, self.run_id)
+        except Exception as error:  # Hydra would make it a warning and exit 0
+            log.error("Could not close the sweep's parent run %s: %s", self.run_id, error)
+            failed_in_last_sweep = 1  # run.py exits non-zero
+            return
         log.info("Sweep done: %d runs, %d failed. %s", children, failed_in_last_sweep, links)

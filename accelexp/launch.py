@@ -9,12 +9,15 @@
   their own.
 
 A worker that fails brings the job down: the launcher stops the others, the job exits non-zero
-with that worker's error, and the whole process group is killed so nothing is left running.
+with that worker's error, and every process the job started is killed so nothing is left running
+(`accelexp.processes`: found by a token in their environment, across process sessions). SIGINT
+or SIGTERM stops every worker too (SIGTERM first, so rank 0 closes its run KILLED), and the
+launcher gets SIGTERM if this process dies.
 """
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import importlib.util
 import json
 import logging
@@ -33,8 +36,12 @@ from accelexp.config import ConfigError, validate
 from accelexp.errors import AccelexpError
 from accelexp.parallel import strategy_class
 from accelexp.parallel.world import current_world, port_in_use
+from accelexp.processes import JOB_ENV, kill_job, new_job_token, stop_job
+from accelexp.signals import interruption
 
 log = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class WorkerFailedError(AccelexpError):
@@ -43,21 +50,23 @@ class WorkerFailedError(AccelexpError):
 
 def launch(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = ()) -> dict:
     """Run the job here, or start its workers and wait for them; returns rank 0's final metrics."""
-    from accelexp.train import run
+    from accelexp.config.resources import check_resources
 
     validate(cfg)
     output_dir = Path(output_dir)
     world = current_world()
     nprocs = cfg.parallelism.nprocs
-    if world.joined:
-        log.info(
-            "Joining a world of %d started by %s as rank %d",
-            world.world_size,
-            world.source,
-            world.rank,
-        )
-        return run(cfg, output_dir, overrides)
-    if nprocs == 1:
+    if world.joined or nprocs == 1:  # the job trains in this process
+        check_resources(cfg, workers=1)
+        from accelexp.train import run  # after the checks: it loads MLflow and torchvision
+
+        if world.joined:
+            log.info(
+                "Joining a world of %d started by %s as rank %d",
+                world.world_size,
+                world.source,
+                world.rank,
+            )
         return run(cfg, output_dir, overrides)
     strategy = strategy_class(cfg.parallelism)
     if strategy.launcher is None:
@@ -73,6 +82,7 @@ def launch(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = (
             f"machine has {gpus} GPU(s). Use parallelism.nprocs<={gpus // per_worker}, "
             f"or device=cpu."
         )
+    check_resources(cfg, workers=nprocs)  # cores, memory, a batch per worker's share
     cfg = cfg.copy()
     if cfg.threads is None and not gpus:  # workers share this machine's cores
         cfg.threads = max(1, len(os.sched_getaffinity(0)) // nprocs)
@@ -108,7 +118,7 @@ def _torchrun(cfg: DictConfig, spec: Path) -> list[str]:
         rendezvous = ["--standalone"]
     return [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-        f"--nproc-per-node={cfg.nprocs}", *rendezvous, "--max-restarts=0",
+        f"--nproc-per-node={cfg.nprocs}", *rendezvous, f"--max-restarts={cfg.max_restarts}",
         "-m", "accelexp.worker", str(spec),
     ]  # fmt: skip
 
@@ -130,16 +140,34 @@ LAUNCHERS = {"torchrun": _torchrun, "horovodrun": _horovodrun}
 
 
 def _run_process_group(command: list[str], threads: int | None) -> int:
-    """Run the launcher in its own session; whatever happens, leave none of its processes."""
-    env = dict(os.environ)
+    """Run the launcher in its own session; whatever happens, leave none of its processes.
+
+    On SIGINT/SIGTERM (`Interrupted`) every process of the job gets SIGTERM, so rank 0 can close
+    the run KILLED, and SIGKILL after a grace period; on any other end the job's processes that
+    are left (workers a launcher failed to stop) are killed.
+    """
+    token = new_job_token()
+    env = {**os.environ, JOB_ENV: token}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    process = subprocess.Popen(command, start_new_session=True, env=env)
+    process = subprocess.Popen(
+        command, start_new_session=True, env=env, preexec_fn=_die_with_parent
+    )
     try:
         return process.wait()
+    except KeyboardInterrupt as error:
+        log.warning("%s: stopping the workers.", interruption(error).name)
+        stop_job(token)
+        raise
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
+        kill_job(token)
+        process.wait()
+
+
+def _die_with_parent() -> None:
+    """In the launcher, before it starts: SIGTERM it if this process dies, even by SIGKILL."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _failure_message(cfg: DictConfig, spec: Path, returncode: int) -> str:

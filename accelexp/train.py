@@ -2,13 +2,16 @@
 
     strategy -> tracker check -> data -> model -> speed switches -> loaders -> wrapped model
     -> optimizer -> precision -> scheduler
-    -> epochs (train, validate, best checkpoint, metrics) -> best checkpoint on the test set
+    -> resume from a checkpoint (accelexp.checkpoint), if asked or restarted
+    -> epochs (train, validate, metrics, best and last checkpoints) -> best weights on the test set
 
 `run(cfg, output_dir)` is what `run.py` calls inside the Hydra job, and what tests call directly.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import platform
 import random
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from accelexp import checkpoint
 from accelexp.config import ConfigError, validate
 from accelexp.data import BatchLoader, DataBundle, build_data, resolve_on_device
 from accelexp.engine import Trainer, check_diverged, optimizer_steps_per_epoch
@@ -127,6 +131,8 @@ def _run(
 ) -> dict[str, float]:
     tracker = Tracker(cfg.mlflow, enabled=strategy.is_main)
     tracker.connect()  # fail now, not after training, when the store is unreachable
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    state, resume_from = _state_to_resume(cfg, output_dir, tracker, strategy, resolved)
     seed_everything(cfg.seed, cfg.deterministic)
     data = build_data(cfg.data, cfg.seed)
     model = build_model(cfg.model, data.in_channels, data.num_classes, data.image_size)
@@ -135,7 +141,7 @@ def _run(
     train_loader, val_loader, test_loader = make_loaders(
         cfg, data, strategy, switches.memory_format
     )
-    placement = train_loader.placement
+    placement, generator = train_loader.placement, train_loader.generator
     if cfg.debug.raise_on_rank == strategy.rank:
         train_loader = FailingLoader(train_loader, cfg.debug.raise_at_step, strategy.rank)
     model = strategy.wrap_model(
@@ -172,32 +178,49 @@ def _run(
         cfg.progress,
         warmup_steps=switches.warmup_steps,
     )
-
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    params = {
-        **flatten(resolved),
-        **strategy.describe(),
-        "torch_version": torch.__version__,
-        "num_params": sum(p.numel() for p in model.parameters()),
-        "train_samples": len(data.train),
-        "data_placement": placement,
-    }
-    tags = {
-        **run_tags(cfg, strategy.world_size, overrides),
-        **switches.tags(),
-        "data_placement": placement,
-        "host": platform.node(),
-    }
-    tracker.start(run_name(cfg, switches.summary()), params, tags)
+    progress = checkpoint.Progress()
+    if state is not None:
+        progress = checkpoint.restore(
+            state,
+            model=strategy.unwrap(model),
+            optimizer=optimizer,
+            scheduler=scheduler,
+            scaler=precision.scaler,
+            generator=generator,
+            rank=strategy.rank,
+        )
+        log.info("Resuming after epoch %d of %d from %s", progress.epoch, cfg.epochs, resume_from)
+        tracker.resume(state["run_id"], progress.epoch, output_dir)
+    elif strategy.is_main and checkpoint.restarted() and (output_dir / RUN_ID_FILE).is_file():
+        # restarted before its first checkpoint: the same run starts over
+        tracker.resume((output_dir / RUN_ID_FILE).read_text().strip(), 0, output_dir)
+    else:
+        params = {
+            **flatten(resolved),
+            **strategy.describe(),
+            "torch_version": torch.__version__,
+            "num_params": sum(p.numel() for p in model.parameters()),
+            "train_samples": len(data.train),
+            "data_placement": placement,
+        }
+        tags = {
+            **run_tags(cfg, strategy.world_size, overrides),
+            **switches.tags(),
+            "data_placement": placement,
+            "host": platform.node(),
+            "config_hash": config_hash(resolved),
+            "output_dir": str(output_dir.resolve()),
+        }
+        tracker.start(run_name(cfg, switches.summary(), overrides), params, tags)
     if tracker.run_id:  # a failure later on is recorded on this run (tracking.record_failure)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RUN_ID_FILE).write_text(tracker.run_id)
+    fit = Fit(cfg, output_dir, trainer, tracker, generator, resolved)
     try:
-        _log_run_files(tracker, output_dir, resolved)
-        metrics = _fit(
-            cfg, output_dir, trainer, tracker, train_loader, val_loader, test_loader, resolved
-        )
-    except KeyboardInterrupt:
+        if state is None:
+            _log_run_files(tracker, output_dir, resolved)
+        metrics = fit(train_loader, val_loader, test_loader, progress)
+    except (KeyboardInterrupt, SystemExit):  # a signal; SystemExit: submitit's requeue
         tracker.end("KILLED")
         raise
     except BaseException:
@@ -207,90 +230,151 @@ def _run(
     return metrics
 
 
-def _fit(
-    cfg: DictConfig,
-    output_dir: Path,
-    trainer: Trainer,
-    tracker: Tracker,
-    train_loader: BatchLoader,
-    val_loader: BatchLoader,
-    test_loader: BatchLoader,
-    resolved: dict,
-) -> dict[str, float]:
-    strategy, device = trainer.strategy, trainer.device
-    checkpoint = output_dir / "checkpoints" / "best.pt"
-    best_val_acc, time_to_target = -1.0, None
-    run_start = time.perf_counter()
-    for epoch in range(1, cfg.epochs + 1):
-        strategy.reset_memory_stats()
-        lr = trainer.optimizer.param_groups[0]["lr"]
-        train = trainer.train_epoch(train_loader, epoch)
-        val_loss, val_acc = trainer.evaluate(val_loader)
-        elapsed = time.perf_counter() - run_start
-        metrics = {
-            "train_loss": train.loss,
-            "train_acc": train.accuracy,
-            "val_loss": val_loss,
-            "val_acc": val_acc,
-            "lr": lr,
-            "epoch_time_s": train.seconds,
-            "samples_per_s": train.samples_per_s,
-            "samples_per_s_per_device": train.samples_per_s / strategy.num_devices,
-            **strategy.memory_metrics(),
-            "grad_scale": trainer.precision.grad_scale(),
-            "compile_s": train.compile_seconds,
-            "elapsed_s": elapsed,
+def _state_to_resume(
+    cfg: DictConfig, output_dir: Path, tracker: Tracker, strategy: Strategy, resolved: dict
+) -> tuple[dict | None, Path | None]:
+    """The training state to continue from (`resume`, or a restarted job's own), and its file.
+    The main rank finds and reads it; the other ranks get it by broadcast, not from its disk."""
+    resume_from = state = None
+    if strategy.is_main:
+        resume_from = checkpoint.find_resume(
+            cfg.resume,
+            output_dir,
+            tracker.run_folder,
+            lambda: tracker.unfinished_run_folders(config_hash(resolved)),
+        )
+    if resume_from is not None:
+        state = checkpoint.load(resume_from)
+        checkpoint.check_same_training(state["config"], resolved, resume_from)
+        checkpoint.adopt_best(resume_from, output_dir / "checkpoints")
+    return strategy.broadcast_object(state), resume_from
+
+
+class Fit:
+    """The epochs of one run, from where `progress` stands, then the best weights' test.
+
+    Every epoch ends with its metrics logged, the best weights kept (`best.pt`) and the whole
+    training state written (`last.pt`, see `accelexp.checkpoint`).
+    """
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        output_dir: Path,
+        trainer: Trainer,
+        tracker: Tracker,
+        generator: torch.Generator,
+        resolved: dict,
+    ) -> None:
+        self.cfg, self.trainer, self.tracker = cfg, trainer, tracker
+        self.strategy = trainer.strategy
+        self.generator, self.resolved = generator, resolved
+        self.checkpoints = output_dir / "checkpoints"
+
+    def __call__(
+        self,
+        train_loader: BatchLoader,
+        val_loader: BatchLoader,
+        test_loader: BatchLoader,
+        progress: checkpoint.Progress,
+    ) -> dict[str, float]:
+        cfg, trainer, strategy = self.cfg, self.trainer, self.strategy
+        run_start = time.perf_counter() - progress.elapsed_s
+        for epoch in range(progress.epoch + 1, cfg.epochs + 1):
+            strategy.reset_memory_stats()
+            lr = trainer.optimizer.param_groups[0]["lr"]
+            train = trainer.train_epoch(train_loader, epoch)
+            val_loss, val_acc = trainer.evaluate(val_loader)
+            elapsed = time.perf_counter() - run_start
+            metrics = {
+                "train_loss": train.loss,
+                "train_acc": train.accuracy,
+                "val_loss": val_loss,
+                "val_acc": val_acc,
+                "lr": lr,
+                "epoch_time_s": train.seconds,
+                "samples_per_s": train.samples_per_s,
+                "samples_per_s_per_device": train.samples_per_s / strategy.num_devices,
+                **strategy.memory_metrics(),
+                "grad_scale": trainer.precision.grad_scale(),
+                "compile_s": train.compile_seconds,
+                "elapsed_s": elapsed,
+            }
+            self.tracker.log_metrics(metrics, step=epoch)
+            check_diverged(train, epoch, trainer.precision, lr)
+            progress.epoch, progress.elapsed_s = epoch, elapsed
+            if val_acc > progress.best_val_acc:
+                progress.best_val_acc = val_acc
+                if strategy.is_main:
+                    self.save_best(epoch, val_acc)
+            target = cfg.target_accuracy
+            if progress.time_to_target_s is None and target and val_acc >= target:
+                progress.time_to_target_s = elapsed
+            self.save_last(progress)
+            if strategy.is_main:  # said once the epoch is logged and saved
+                log.info(
+                    "epoch %d/%d  train_loss %.4f  train_acc %.4f  val_loss %.4f  val_acc %.4f  "
+                    "%.0f samples/s  %.1fs",
+                    epoch, cfg.epochs, train.loss, train.accuracy, val_loss, val_acc,
+                    train.samples_per_s, train.seconds,
+                )  # fmt: skip
+        return self.test(test_loader, progress, time.perf_counter() - run_start)
+
+    def save_best(self, epoch: int, val_acc: float) -> None:
+        model = self.strategy.unwrap(self.trainer.model)
+        payload = {"model": model.state_dict(), "epoch": epoch, "val_acc": val_acc}
+        checkpoint.save(self.checkpoints / checkpoint.BEST, {**payload, "config": self.resolved})
+
+    def save_last(self, progress: checkpoint.Progress) -> None:
+        """The whole training state; every rank takes part (its RNG states are gathered)."""
+        rng = self.strategy.gather_object(checkpoint.rng_state(self.generator))
+        if not self.strategy.is_main:
+            return
+        trainer = self.trainer
+        state = checkpoint.training_state(
+            model=self.strategy.unwrap(trainer.model),
+            optimizer=trainer.optimizer,
+            scheduler=trainer.scheduler,
+            scaler=trainer.precision.state_dict(),
+            progress=progress,
+            rng=rng,
+            run_id=self.tracker.run_id,
+            config=self.resolved,
+        )
+        checkpoint.save(self.checkpoints / checkpoint.LAST, state)
+
+    def test(
+        self, test_loader: BatchLoader, progress: checkpoint.Progress, total_s: float
+    ) -> dict[str, float]:
+        """The best weights (read by the main rank, sent to the others) on the test set."""
+        strategy, trainer, cfg = self.strategy, self.trainer, self.cfg
+        best = self.checkpoints / checkpoint.BEST
+        weights = checkpoint.load(best)["model"] if strategy.is_main else None
+        strategy.unwrap(trainer.model).load_state_dict(strategy.broadcast_object(weights))
+        test_loss, test_acc = trainer.evaluate(test_loader)
+        final = {
+            "best_val_acc": progress.best_val_acc,
+            "test_loss": test_loss,
+            "test_acc": test_acc,
+            "total_time_s": total_s,
+            "time_to_target_s": progress.time_to_target_s,
         }
-        tracker.log_metrics(metrics, step=epoch)
-        check_diverged(train, epoch, trainer.precision, lr)
+        self.tracker.log_metrics(final, step=cfg.epochs)
         if strategy.is_main:
             log.info(
-                "epoch %d/%d  train_loss %.4f  train_acc %.4f  val_loss %.4f  val_acc %.4f  "
-                "%.0f samples/s  %.1fs",
-                epoch, cfg.epochs, train.loss, train.accuracy, val_loss, val_acc,
-                train.samples_per_s, train.seconds,
-            )  # fmt: skip
-        if val_acc > best_val_acc:
-            best_val_acc = val_acc
-            if strategy.is_main:
-                save_checkpoint(
-                    checkpoint, strategy.unwrap(trainer.model), epoch, val_acc, resolved
-                )
-        if time_to_target is None and cfg.target_accuracy and val_acc >= cfg.target_accuracy:
-            time_to_target = elapsed
-    strategy.barrier()  # the checkpoint is written before any rank reads it
-    load_checkpoint(checkpoint, strategy.unwrap(trainer.model), device)
-    test_loss, test_acc = trainer.evaluate(test_loader)
-    final = {
-        "best_val_acc": best_val_acc,
-        "test_loss": test_loss,
-        "test_acc": test_acc,
-        "total_time_s": time.perf_counter() - run_start,
-        "time_to_target_s": time_to_target,
-    }
-    tracker.log_metrics(final, step=cfg.epochs)
-    if strategy.is_main:
-        log.info("best val_acc %.4f  test_acc (best checkpoint) %.4f", best_val_acc, test_acc)
-        if cfg.mlflow.log_checkpoint:
-            tracker.log_artifact(checkpoint, "checkpoints")
-    return {k: v for k, v in final.items() if v is not None}
+                "best val_acc %.4f  test_acc (best checkpoint) %.4f",
+                progress.best_val_acc,
+                test_acc,
+            )
+            if cfg.mlflow.log_checkpoint:
+                self.tracker.log_artifact(best, "checkpoints")
+        return {k: v for k, v in final.items() if v is not None}
 
 
-def save_checkpoint(
-    path: Path, model: torch.nn.Module, epoch: int, val_acc: float, config: dict
-) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {"model": model.state_dict(), "epoch": epoch, "val_acc": val_acc, "config": config}, tmp
-    )
-    tmp.replace(path)  # never leave a half-written best checkpoint
-
-
-def load_checkpoint(path: Path, model: torch.nn.Module, device: torch.device) -> dict:
-    state = torch.load(path, map_location=device, weights_only=True)
-    model.load_state_dict(state["model"])
-    return state
+def config_hash(resolved: dict) -> str:
+    """Identifies the training a config describes (`resume=auto` looks runs up by it)."""
+    text = json.dumps(checkpoint.training_config(resolved), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _log_run_files(tracker: Tracker, output_dir: Path, resolved: dict) -> None:

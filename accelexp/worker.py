@@ -2,7 +2,8 @@
 
 Started by a launcher (see `accelexp.launch`); reads the resolved config that the Hydra job saved
 in SPEC_DIR, trains as its rank, and on failure records its error in SPEC_DIR/errors/rank<N>.txt
-for the job to show. Rank 0 writes the final metrics to SPEC_DIR/result.json.
+for the job to show. Rank 0 writes the final metrics to SPEC_DIR/result.json. SIGINT/SIGTERM
+stop the worker (`accelexp.signals`): rank 0 closes its run KILLED; exit 128 + the signal.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from accelexp import signals
 from accelexp.errors import AccelexpError
 from accelexp.parallel.world import current_world
 
@@ -29,12 +31,14 @@ def main(spec: Path) -> None:
     )
     cfg = OmegaConf.load(spec / "config.yaml")
     job = json.loads((spec / "job.json").read_text())
+    signals.install()
     try:
         from accelexp.train import run
 
         metrics = run(cfg, job["output_dir"], job["overrides"])
     except BaseException as error:
-        ours = isinstance(error, AccelexpError)  # a message for the user, not a bug
+        # a message for the user, not a bug: no traceback
+        ours = isinstance(error, AccelexpError | KeyboardInterrupt)
         record = spec / "errors" / f"rank{world.rank}.txt"
         record.write_text(
             f"{type(error).__name__}: {error}\n"
@@ -42,6 +46,10 @@ def main(spec: Path) -> None:
         )
         failed_at = getattr(error, "failed_at_ns", None) or time.time_ns()
         os.utime(record, ns=(failed_at, failed_at))  # the launcher orders failures by this
+        if isinstance(error, KeyboardInterrupt):
+            stop = signals.interruption(error)
+            logging.getLogger("accelexp").warning("Stopped by %s.", stop.name)
+            sys.exit(stop.exit_code)
         if ours:
             logging.getLogger("accelexp").error("%s", error)
             sys.exit(1)

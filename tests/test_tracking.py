@@ -235,3 +235,63 @@ def test_a_diverging_run_fails_with_one_message_and_keeps_what_it_logged(paralle
     assert run_.info.status == "FAILED"
     assert math.isnan(run_.data.metrics["train_loss"])  # the diverged epoch is on record
     assert "test_acc" not in run_.data.metrics  # and nothing after it ran
+
+
+@pytest.mark.slow
+def test_a_write_waits_out_a_store_locked_by_another_writer(compose_cfg, tracking_uri):
+    """Another process holds SQLite's write lock for longer than MLflow's SQLite sessions wait
+    (their busy_timeout: 20 s): the tracker retries instead of losing the metrics."""
+    tracker = Tracker(compose_cfg().mlflow)
+    tracker.connect()
+    tracker.start("locked", {}, {})
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sqlite3, sys, time\n"
+            "db = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "db.execute('BEGIN EXCLUSIVE')\n"
+            "print('locked', flush=True)\n"
+            "time.sleep(25)\n"
+            "db.execute('COMMIT')\n",
+            tracking_uri.removeprefix("sqlite:///"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        tracker.log_metrics({"loss": 1.5}, step=1)
+        tracker.end()
+    finally:
+        holder.wait(timeout=60)
+    run_ = only_run(tracking_uri)
+    assert run_.data.metrics["loss"] == 1.5
+    assert run_.info.status == "FINISHED"
+
+
+def test_sweep_jobs_get_distinct_names(compose_cfg, monkeypatch):
+    from accelexp.tracking.runs import SWEPT_KEYS_ENV, run_name
+
+    monkeypatch.setenv(SWEPT_KEYS_ENV, "optimizer.lr,precision")
+    cfg = compose_cfg("optimizer.lr=0.2", "precision=bf16")
+    name = run_name(cfg, overrides=["optimizer.lr=0.2", "precision=bf16", "epochs=1"])
+    assert name == "simple_cnn-single-bf16 optimizer.lr=0.2"  # precision is in the name already
+    monkeypatch.delenv(SWEPT_KEYS_ENV)
+    assert run_name(cfg, overrides=["optimizer.lr=0.2"]) == "simple_cnn-single-bf16"
+
+
+def test_a_store_that_stops_taking_writes_is_one_message(compose_cfg, tracking_uri):
+    """The store breaks mid-run (here its file is overwritten, as a failing disk would): the
+    next write raises one AccelexpError that says what to do, and closing the run only warns."""
+    from accelexp.tracking.runs import TrackingUnavailableError
+
+    tracker = Tracker(compose_cfg().mlflow)
+    tracker.connect()
+    tracker.start("breaks", {}, {})
+    store = tracking_uri.removeprefix("sqlite:///")
+    with open(store, "r+b") as file:  # the same file (open connections keep their inode)
+        file.write(b"\0" * os.path.getsize(store))
+    with pytest.raises(TrackingUnavailableError, match=r"Could not write the metrics .* resume"):
+        tracker.log_metrics({"loss": 1.0}, step=1)
+    tracker.end("FAILED")  # no exception: the error above stays the one the user sees

@@ -90,6 +90,9 @@ class ParallelismConfig:
     lr_scaling: str = "linear"
     # micro-batches per optimizer step (DDP: no_sync between; Horovod: backward_passes_per_step)
     accumulate_steps: int = 1
+    # true: start more CPU workers (and threads, loader processes) than this machine's usable
+    # cores; refused otherwise, since they would only share the cores and run slower
+    oversubscribe: bool = False
 
 
 @dataclass
@@ -110,6 +113,7 @@ class DDPConfig(ParallelismConfig):
     find_unused_parameters: bool = False
     comm_hook: str = "none"  # none | fp16 | bf16: gradient compression for the allreduce
     master_port: int | None = None  # rendezvous port when accelexp starts the workers; None: free
+    max_restarts: int = 0  # torchrun restarts the workers this often after a failure; they resume
 
 
 @dataclass
@@ -256,6 +260,7 @@ class Config:
     deterministic: bool = False
     progress: bool = True
     log_every_n_steps: int = 20
+    resume: str | None = None  # auto | <MLflow run id> | <run folder or last.pt>: continue a run
     # test hook: this rank raises at this training step (a crashed worker, on purpose)
     debug: DebugConfig = field(default_factory=DebugConfig)
 

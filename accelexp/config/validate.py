@@ -2,15 +2,23 @@
 
 `validate(cfg)` raises one `ConfigError` listing every problem found, each naming the key, the
 value and what is allowed, so a typo costs one run of `python run.py`, not an hour of training.
+A key left unset, an interpolation that cannot be resolved (`${oc.env:NOPE}`) and a key added
+with `+` that nothing reads are problems too.
+
+What this machine can hold is checked apart, in `resources.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+import re
+from collections.abc import Callable, Iterator
 from itertools import pairwise
 from typing import Any
+from urllib.parse import urlparse
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from accelexp.errors import AccelexpError
 
@@ -18,6 +26,30 @@ PRECISIONS = ("fp32", "amp", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 OPTIMIZER_IMPLS = ("auto", "for_loop", "foreach", "fused")
+FLOAT32_MAX = 3.4028234663852886e38  # an lr or a scale beyond it overflows torch's float32 math
+SEED_MAX = 2**32 - 1  # numpy's seeding takes [0, 2**32 - 1]
+INT32_MAX = 2**31 - 1
+# the URI schemes MLflow 3 opens a tracking store / an artifact store for (its error lists them)
+TRACKING_SCHEMES = (
+    "", "file", "sqlite", "http", "https", "postgresql", "mysql", "mssql",
+    "databricks", "databricks-uc", "uc",
+)  # fmt: skip
+ARTIFACT_SCHEMES = (
+    "", "file", "s3", "r2", "b2", "gs", "wasbs", "ftp", "sftp", "dbfs", "hdfs", "viewfs",
+    "runs", "models", "http", "https", "mlflow-artifacts", "abfss",
+)  # fmt: skip
+
+
+def _scheme(uri: str) -> str:
+    """`sqlite` of sqlite:///x, `postgresql` of postgresql+psycopg2://..., "" of a plain path."""
+    return urlparse(uri).scheme.split("+")[0].lower()
+
+
+def _tracking_store(uri: str) -> bool:
+    """A store MLflow opens, and keeps: SQLite in a file, not in memory (sqlite://)."""
+    if not uri.strip() or _scheme(uri) not in TRACKING_SCHEMES:
+        return False
+    return _scheme(uri) != "sqlite" or urlparse(uri).path.strip("/") not in ("", ":memory:")
 
 
 class ConfigError(AccelexpError, ValueError):
@@ -25,13 +57,14 @@ class ConfigError(AccelexpError, ValueError):
 
 
 def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
-    positive = (lambda v: v > 0, "a number > 0")
-    non_negative = (lambda v: v >= 0, "a number >= 0")
+    positive = (lambda v: 0 < v <= FLOAT32_MAX, "a number > 0 (and at most 3.4e38)")
+    non_negative = (lambda v: 0 <= v <= FLOAT32_MAX, "a number >= 0 (and at most 3.4e38)")
     at_least_one = (lambda v: v >= 1, "an integer >= 1")
     optional_at_least_one = (lambda v: v is None or v >= 1, "null or an integer >= 1")
     fraction = (lambda v: 0 <= v < 1, "a number in [0, 1)")
     auto_or_bool = (lambda v: v == "auto" or isinstance(v, bool), "auto, true or false")
     return [
+        ("seed", lambda v: 0 <= v <= SEED_MAX, f"an integer in [0, {SEED_MAX}]"),
         ("epochs", *at_least_one),
         ("max_steps_per_epoch", *optional_at_least_one),
         ("target_accuracy", lambda v: v is None or 0 < v <= 1, "null or a number in (0, 1]"),
@@ -50,7 +83,11 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
         ("data.num_classes", lambda v: v >= 2, "an integer >= 2"),
         ("precision.name", lambda v: v in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
         ("precision.init_scale", *positive),
-        ("precision.growth_interval", *at_least_one),
+        (
+            "precision.growth_interval",
+            lambda v: 1 <= v <= INT32_MAX,
+            f"an integer in [1, {INT32_MAX}]",
+        ),
         ("parallelism.nprocs", *at_least_one),
         ("parallelism.accumulate_steps", *at_least_one),
         (
@@ -91,6 +128,19 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
             lambda v: v in OPTIMIZER_IMPLS,
             f"one of {', '.join(OPTIMIZER_IMPLS)}",
         ),
+        (
+            "mlflow.tracking_uri",
+            _tracking_store,
+            "a tracking store such as sqlite:///outputs/mlflow.db or http://HOST:5000 "
+            f"(MLflow opens the schemes {', '.join(s for s in TRACKING_SCHEMES if s)})",
+        ),
+        ("mlflow.experiment", lambda v: bool(v.strip()), "a non-empty experiment name"),
+        (
+            "mlflow.artifact_location",
+            lambda v: v is None or _scheme(v) in ARTIFACT_SCHEMES,
+            "null (next to the store) or a folder or URI of the schemes "
+            f"{', '.join(s for s in ARTIFACT_SCHEMES if s)}",
+        ),
         ("optimizer.lr", *positive),
         ("optimizer.weight_decay", *non_negative),
         ("optimizer.momentum", *fraction),
@@ -117,7 +167,13 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
 
 def validate(cfg: DictConfig) -> None:
     """Raise `ConfigError` naming every out-of-range value of a composed config."""
-    problems = []
+    unset = list(_unset_or_unresolvable(cfg))
+    if unset:  # the rules below would read those values
+        raise ConfigError(
+            "Invalid configuration:\n" + "\n".join(unset) + "\n"
+            "`python run.py --cfg job` prints the composed config."
+        )
+    problems = list(_unknown_keys(cfg))
     for key, ok, allowed in _rules():
         value = OmegaConf.select(cfg, key, default="__absent__")
         if value == "__absent__":  # the chosen group option has no such key
@@ -132,6 +188,11 @@ def validate(cfg: DictConfig) -> None:
             f"epochs={cfg.epochs}."
         )
     problems += _pipeline_problems(cfg.parallelism, cfg.data.batch_size)
+    if cfg.optimizer.get("nesterov") and cfg.optimizer.momentum == 0:
+        problems.append(
+            "  optimizer.nesterov=true needs a momentum, but optimizer.momentum=0: set "
+            "optimizer.momentum (e.g. 0.9) or optimizer.nesterov=false."
+        )
     if cfg.data.on_device is True and cfg.data.num_workers > 0:
         problems.append(
             f"  data.on_device=true gathers batches on the device, where loader worker processes "
@@ -172,3 +233,55 @@ def _pipeline_problems(parallelism: DictConfig, batch_size: int) -> list[str]:
             f"{per_replica}: some devices would sit idle. Use stages>={per_replica} or null."
         )
     return problems
+
+
+def _unset_or_unresolvable(node: DictConfig | ListConfig, prefix: str = "") -> Iterator[str]:
+    """Keys left `???` (e.g. a group removed with `~model`) and interpolations that fail."""
+    in_list = isinstance(node, ListConfig)
+    for key in range(len(node)) if in_list else node:
+        name = f"{prefix}[{key}]" if in_list else f"{prefix}.{key}" if prefix else str(key)
+        if OmegaConf.is_missing(node, key):
+            yield (
+                f"  {name} is not chosen: pick an option, e.g. {name}=OPTION (`python run.py "
+                f"--help` lists them)."
+                if not prefix  # the top-level keys left unset are the config groups
+                else f"  {name} is not set: give it a value, {name}=VALUE."
+            )
+            continue
+        try:
+            value = node[key]
+        except OmegaConfBaseException as error:
+            raw = OmegaConf.to_container(node, resolve=False)[key]
+            yield f"  {name}={raw!r} cannot be resolved: {unresolved_reason(error, name)}"
+            continue
+        if isinstance(value, DictConfig | ListConfig):
+            yield from _unset_or_unresolvable(value, name)
+
+
+def unresolved_reason(error: OmegaConfBaseException, key: str) -> str:
+    """Why an interpolation of `key` failed, and what to type instead."""
+    message = str(getattr(error, "msg", None) or error).splitlines()[0]
+    message = re.sub(r"^\w+ raised while resolving interpolation: ", "", message).strip("\"'")
+    variable = re.search(r"Environment variable '([^']+)' not found", message)
+    if variable:
+        name = variable.group(1)
+        return (
+            f"the environment variable {name} is not set. Set it (export {name}=...), give a "
+            f"default (${{oc.env:{name},DEFAULT}}), or give {key} a value directly."
+        )
+    return f"{message}. Fix the interpolation or give {key} a value directly."
+
+
+def _unknown_keys(node: DictConfig, prefix: str = "") -> Iterator[str]:
+    """Keys no schema declares: Hydra refuses them, except when added with `+KEY=VALUE`."""
+    schema = OmegaConf.get_type(node)
+    known = dataclasses.is_dataclass(schema) and {f.name for f in dataclasses.fields(schema)}
+    for key in node:
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if known and key not in known:
+            yield (
+                f"  {name} is not a key of accelexp's config (added with +{name}=...?): nothing "
+                f"would read it. Check its spelling against `python run.py --cfg job`."
+            )
+        elif isinstance(node[key], DictConfig):
+            yield from _unknown_keys(node[key], name)

@@ -7,6 +7,10 @@
   `data.root`, downloaded and md5-checked by torchvision's helper when missing and allowed.
 - synthetic: class prototypes (smooth random patterns) plus noise, generated from a fixed seed,
   so the set is the same in every run and a model can learn it.
+
+A `data.root` the user gives must exist (outside `outputs/data/`, accelexp's own download folder):
+a typo there is an error naming it, not a quiet fall-back to another copy. `set_shape(cfg)` says
+how big a set is before it is loaded (what `accelexp.config.resources` checks).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import gzip
 import pickle
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,6 +34,50 @@ DEFAULT_DOWNLOAD_ROOT = Path("outputs/data")
 
 class DatasetNotFoundError(AccelexpError, FileNotFoundError):
     """The dataset is not on disk and could not be downloaded; the message lists the options."""
+
+
+class SetShape(NamedTuple):
+    num_train: int
+    num_test: int
+    channels: int
+    image_size: int
+    num_classes: int
+
+    def peak_bytes(self, synthetic: bool) -> int:
+        """Memory the loaded set takes at its peak: the uint8 images, and while a synthetic set
+        is generated, about three float32 copies of its larger split."""
+        pixels = self.channels * self.image_size**2
+        held = (self.num_train + self.num_test) * pixels
+        return held + (12 * max(self.num_train, self.num_test) * pixels if synthetic else 0)
+
+
+KNOWN_SHAPES = {
+    "fashion_mnist": SetShape(60000, 10000, 1, 28, 10),
+    "cifar10": SetShape(50000, 10000, 3, 32, 10),
+}
+
+
+def set_shape(cfg: DictConfig) -> SetShape | None:
+    """The size of the set `cfg` (`data`) names, without loading it; None for an unknown name."""
+    if cfg.name == "synthetic":
+        return SetShape(cfg.num_train, cfg.num_test, cfg.channels, cfg.image_size, cfg.num_classes)
+    return KNOWN_SHAPES.get(cfg.name)
+
+
+def _given_root(cfg: DictConfig, holds: str) -> Path | None:
+    """`data.root`, which must exist unless it is inside accelexp's own download folder."""
+    if not cfg.root:
+        return None
+    root = Path(cfg.root).expanduser()
+    ours = root.resolve().is_relative_to(DEFAULT_DOWNLOAD_ROOT.resolve())
+    if root.exists() and not root.is_dir():
+        raise DatasetNotFoundError(f"data.root={cfg.root} is a file, not a folder: {holds}.")
+    if not root.exists() and not ours:
+        raise DatasetNotFoundError(
+            f"data.root={cfg.root} does not exist: point data.root at the folder that holds "
+            f"{holds}, or leave data.root=null for the default places."
+        )
+    return root
 
 
 # --- Fashion-MNIST ---------------------------------------------------------------------------
@@ -70,7 +119,8 @@ def _fashion_mnist_dir(candidates: list[Path]) -> Path | None:
 
 
 def load_fashion_mnist(cfg: DictConfig) -> tuple[ImageSet, ImageSet]:
-    roots = [Path(cfg.root)] if cfg.root else []
+    root = _given_root(cfg, "train-images-idx3-ubyte.gz and the other three IDX files")
+    roots = [root] if root else []
     candidates = [d for r in roots for d in (r, r / "FashionMNIST" / "raw")] + [
         DEBIAN_FASHION_MNIST
     ]
@@ -122,7 +172,7 @@ def _read_cifar_batches(directory: Path, names: list[str]) -> ImageSet:
 
 
 def load_cifar10(cfg: DictConfig) -> tuple[ImageSet, ImageSet]:
-    root = Path(cfg.root) if cfg.root else DEFAULT_DOWNLOAD_ROOT / "cifar10"
+    root = _given_root(cfg, f"{CIFAR10_FOLDER}/") or DEFAULT_DOWNLOAD_ROOT / "cifar10"
     directory = root / CIFAR10_FOLDER
     missing = [n for n in CIFAR10_TRAIN + CIFAR10_TEST if not (directory / n).is_file()]
     if missing and cfg.download:

@@ -208,3 +208,11 @@ class Strategy:
 
     def barrier(self) -> None:
         pass
+
+    def broadcast_object(self, obj: object) -> object:
+        """Rank 0's `obj` on every rank (a checkpoint read on rank 0's disk only)."""
+        return obj
+
+    def gather_object(self, obj: object) -> list:
+        """Every rank's `obj`, in rank order (e.g. the ranks' RNG states for a checkpoint)."""
+        return [obj]

@@ -45,32 +45,55 @@ class DDP(Strategy):
         if backend == "auto":
             backend = "nccl" if self.device.type == "cuda" else "gloo"
         if not dist.is_initialized():
-            init_method = self._init_method(world.source)
+            addr, port = self._rendezvous_address(world.source)
             try:
                 dist.init_process_group(
                     backend,
-                    init_method=init_method,
+                    store=self._store(addr, port),
                     rank=self.rank,
                     world_size=self.replicas,
                     timeout=TIMEOUT,
                 )
             except (RuntimeError, dist.DistStoreError) as error:
                 raise AccelexpError(
-                    f"DDP could not form its world of {self.replicas} at {init_method} "
+                    f"DDP could not form its world of {self.replicas} at tcp://{addr}:{port} "
                     f"({error}). If the port is taken, set parallelism.master_port to a free one "
                     f"(or unset MASTER_PORT)."
                 ) from error
             self._owns_group = True
 
-    def _init_method(self, source: str | None) -> str:
+    def _rendezvous_address(self, source: str | None) -> tuple[str, int]:
         """torchrun sets MASTER_ADDR/PORT; under srun/mpirun rank 0's host is derived."""
         if source is None:  # a world of one
-            return f"tcp://127.0.0.1:{free_port()}"
+            return "127.0.0.1", free_port()
         addr = os.environ.get("MASTER_ADDR") or (
             slurm_master_addr() if source == "slurm" else "127.0.0.1"
         )
         port = os.environ.get("MASTER_PORT") or self.cfg.master_port or 29500
-        return f"tcp://{addr}:{port}"
+        return addr, int(port)
+
+    def _store(self, addr: str, port: int) -> dist.Store:
+        """The rendezvous store, with a key prefix of its own per restart of the world.
+
+        torchrun's agent hosts the store at MASTER_ADDR:MASTER_PORT and keeps it across the
+        restarts of `--max-restarts`: without a prefix, a restarted rank can read the address a
+        dead rank of the previous attempt published, and wait for it until the timeout.
+        Otherwise rank 0 hosts the store.
+        """
+        agent_hosts = (
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and os.environ.get("MASTER_ADDR") == addr
+            and os.environ.get("MASTER_PORT") == str(port)
+        )
+        store = dist.TCPStore(
+            addr,
+            port,
+            self.replicas,
+            is_master=self.rank == 0 and not agent_hosts,
+            timeout=TIMEOUT,
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return dist.PrefixStore(f"accelexp/attempt{attempt}", store)
 
     def teardown(self) -> None:
         if self._owns_group and dist.is_initialized():
@@ -117,3 +140,13 @@ class DDP(Strategy):
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def broadcast_object(self, obj: object) -> object:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather_object(self, obj: object) -> list:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, obj)
+        return gathered

@@ -149,3 +149,11 @@ class Horovod(Strategy):
 
     def barrier(self) -> None:
         self.hvd.barrier()
+
+    # named: Horovod matches collectives across ranks by name, and its default name is the
+    # object's type, which differs where only rank 0 has the object
+    def broadcast_object(self, obj: object) -> object:
+        return self.hvd.broadcast_object(obj, root_rank=0, name="accelexp.broadcast_object")
+
+    def gather_object(self, obj: object) -> list:
+        return self.hvd.allgather_object(obj, name="accelexp.gather_object")

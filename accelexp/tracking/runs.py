@@ -24,6 +24,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from accelexp.errors import AccelexpError
+from accelexp.tracking import credentials
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,11 @@ MAX_PARAMS_PER_BATCH = 100  # MLflow's limit on params in one log_batch call
 # A sweep's parent run, handed to its jobs (also in worker and launcher subprocesses) by env
 PARENT_RUN_ENV = "ACCELEXP_PARENT_RUN_ID"
 SWEEP_NAME_ENV = "ACCELEXP_SWEEP_NAME"
+SWEPT_KEYS_ENV = "ACCELEXP_SWEPT_KEYS"  # the keys a sweep varies, comma-separated
+# swept keys that `run_name` shows in its own way
+IN_THE_NAME = {"model", "parallelism", "parallelism.nprocs", "parallelism.engine", "precision"}
 RUN_ID_FILE = "mlflow_run_id"  # in a job's output dir once its run exists
+LOCKED_RETRY_S = 120.0  # how long a write waits out a SQLite store locked by other writers
 
 
 class TrackingUnavailableError(AccelexpError):
@@ -58,15 +63,18 @@ def _sqlite_path(uri: str) -> Path | None:
 def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
     """Fail fast with a clear message when the tracking store cannot be used."""
     if uri.startswith(("http://", "https://")):
+        health = f"{credentials.split(uri)[0].rstrip('/')}/health"  # basic auth: a header
+        request = urllib.request.Request(health, headers=credentials.basic_auth_header(uri))
         try:
-            with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s) as response:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 if response.status == 200:
                     return
                 problem = f"HTTP {response.status}"
         except (urllib.error.URLError, OSError) as error:
             problem = str(getattr(error, "reason", error))
         raise TrackingUnavailableError(
-            f"The MLflow tracking server at {uri} is unreachable ({problem}). Start it (e.g. "
+            f"The MLflow tracking server at {credentials.redact(uri)} is unreachable ({problem}). "
+            f"Start it (e.g. "
             f"`mlflow server --host 127.0.0.1 --port 5000 --backend-store-uri "
             f"sqlite:///outputs/mlflow.db`), fix mlflow.tracking_uri, or use the local store: "
             f"mlflow.tracking_uri=sqlite:///outputs/mlflow.db"
@@ -99,6 +107,40 @@ def store_lock(uri: str) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+class RetryingClient:
+    """An `MlflowClient` whose calls wait out a locked SQLite store.
+
+    SQLite has one writer at a time. With many runs and sweeps writing to one store, a write can
+    find the database locked for longer than MLflow's sessions wait (SQLite's busy_timeout, 20 s
+    in MLflow 3): such a call is retried with backoff for up to `LOCKED_RETRY_S` before the error
+    counts.
+    """
+
+    def __init__(self, uri: str) -> None:
+        from mlflow import MlflowClient
+
+        self._client = MlflowClient(tracking_uri=uri)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._client, name)
+        if not callable(method):
+            return method
+
+        def retrying(*args: Any, **kwargs: Any) -> Any:
+            delay, deadline = 0.1, time.monotonic() + LOCKED_RETRY_S
+            while True:
+                try:
+                    return method(*args, **kwargs)
+                except Exception as error:
+                    if "database is locked" not in str(error) or time.monotonic() > deadline:
+                        raise
+                    log.warning("The MLflow store is locked by another writer: retrying.")
+                    time.sleep(delay)
+                    delay = min(2 * delay, 2.0)
+
+        return retrying
+
+
 class Tracker:
     def __init__(self, cfg: DictConfig, enabled: bool = True) -> None:
         self.cfg = cfg
@@ -114,11 +156,9 @@ class Tracker:
         if not self.enabled:
             return
         check_reachable(self.cfg.tracking_uri)
-        from mlflow import MlflowClient
-
         try:
             with store_lock(self.cfg.tracking_uri):  # also: one creator of the experiment
-                self._client = MlflowClient(tracking_uri=self.cfg.tracking_uri)  # migrates
+                self._client = RetryingClient(self.cfg.tracking_uri)  # migrates a new store
                 experiment = self._client.get_experiment_by_name(self.cfg.experiment)
                 if experiment is None:
                     self.experiment_id = self._client.create_experiment(
@@ -159,6 +199,37 @@ class Tracker:
             self._system_monitor.start()
         log.info("MLflow run %s (%s) in experiment %r", run_name, self.run_id, self.cfg.experiment)
 
+    def resume(self, run_id: str, epoch: int, output_dir: Path) -> None:
+        """Continue run `run_id` (RUNNING again): its metrics go on at the next epoch's step."""
+        if not self.enabled:
+            return
+        self.run_id = run_id
+        self._client.update_run(run_id, status="RUNNING")
+        self._client.set_tag(run_id, "resumed_after_epoch", str(epoch))
+        self._client.set_tag(run_id, "output_dir", str(output_dir.resolve()))
+        log.info("MLflow run %s continues after epoch %d", run_id, epoch)
+
+    # --- runs to continue (resume) -------------------------------------------------------
+    def run_folder(self, run_id: str) -> str | None:
+        """The output folder of run `run_id` (its `output_dir` tag), if the run exists."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self._client.get_run(run_id).data.tags.get("output_dir")
+        except MlflowException:
+            return None
+
+    def unfinished_run_folders(self, config_hash: str) -> list[str]:
+        """Output folders of this experiment's runs of `config_hash` that did not finish (killed,
+        failed, or still marked running), newest first."""
+        runs = self._client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.config_hash = '{config_hash}' and attributes.status != 'FINISHED'",
+            order_by=["attributes.start_time DESC"],
+            max_results=50,
+        )
+        return [run.data.tags["output_dir"] for run in runs if "output_dir" in run.data.tags]
+
     # --- during the run -------------------------------------------------------------------
     def log_metrics(self, metrics: Mapping[str, float | None], step: int | None = None) -> None:
         if not self.enabled:
@@ -167,24 +238,44 @@ class Tracker:
 
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step or 0) for k, v in metrics.items() if v is not None]
-        self._client.log_batch(self.run_id, metrics=batch)
+        with self._writing("the metrics"):
+            self._client.log_batch(self.run_id, metrics=batch)
 
     def log_artifact(self, path: str | os.PathLike, artifact_path: str | None = None) -> None:
         if not self.enabled:
             return
         path = Path(path)
-        if path.is_dir():
-            self._client.log_artifacts(self.run_id, str(path), artifact_path)
-        elif path.is_file():
-            self._client.log_artifact(self.run_id, str(path), artifact_path)
+        with self._writing(f"the artifact {path.name}"):
+            if path.is_dir():
+                self._client.log_artifacts(self.run_id, str(path), artifact_path)
+            elif path.is_file():
+                self._client.log_artifact(self.run_id, str(path), artifact_path)
+
+    @contextlib.contextmanager
+    def _writing(self, what: str) -> Iterator[None]:
+        """A store that stops taking writes mid-run (a full disk, a server gone) is one message."""
+        try:
+            yield
+        except Exception as error:
+            cause = (str(error).strip() or type(error).__name__).splitlines()[0]  # not the SQL
+            raise TrackingUnavailableError(
+                f"Could not write {what} of run {self.run_id} to the MLflow store "
+                f"{self.cfg.tracking_uri}: {cause}. Free space or restart the tracking server, "
+                f"then continue the run with resume=auto."
+            ) from error
 
     def end(self, status: str = "FINISHED") -> None:
-        """Close the run as FINISHED, FAILED or KILLED; what was logged before stays."""
+        """Close the run as FINISHED, FAILED or KILLED; what was logged before stays. A store
+        that fails here is said in a line: the error that ended the run stays the one raised."""
         if not self.enabled or self.run_id is None:
             return
-        if self._system_monitor is not None:
-            self._system_monitor.finish()
-        self._client.set_terminated(self.run_id, status=status)
+        try:
+            if self._system_monitor is not None:
+                self._system_monitor.finish()
+            self._client.set_terminated(self.run_id, status=status)
+        except Exception as error:
+            log.warning("Could not mark MLflow run %s as %s: %s", self.run_id, status, error)
+            return
         log.info("MLflow run %s ended: %s. %s", self.run_id, status, self.where_to_look())
 
     def where_to_look(self) -> str:
@@ -196,20 +287,30 @@ def where_to_look(uri: str, experiment_id: str, run_id: str) -> str:
     opens an experiment on its GenAI overview, where training runs are not shown)."""
     pages = f"#/experiments/{experiment_id}/runs/{run_id}", f"#/experiments/{experiment_id}/runs"
     if uri.startswith(("http://", "https://")):
-        base = uri.rstrip("/")
+        base = credentials.split(uri)[0].rstrip("/")  # a link never carries a password
         return f"Run: {base}/{pages[0]}  Runs table: {base}/{pages[1]}"
     base = "http://127.0.0.1:5000"
     return (
-        f"See it with `mlflow ui --backend-store-uri {uri}`: run {base}/{pages[0]} , "
+        f"See it with `mlflow ui --backend-store-uri {credentials.redact(uri)}`: run "
+        f"{base}/{pages[0]} , "
         f"runs table {base}/{pages[1]}"
     )
 
 
-def run_name(cfg: DictConfig, speed: str = "eager") -> str:
+def run_name(cfg: DictConfig, speed: str = "eager", overrides: Sequence[str] = ()) -> str:
     """`mlflow.run_name`, or what differs between runs: e.g. resnet18-horovod-np4-amp, and the
-    speed switches that are on (`SpeedSwitches.summary()`), e.g. resnet50-single-bf16-tf32+cl."""
+    speed switches that are on (`SpeedSwitches.summary()`), e.g. resnet50-single-bf16-tf32+cl.
+    In a sweep, the job's values of the swept keys this leaves out follow, so no two jobs of a
+    sweep share a name: `simple_cnn-single-fp32 optimizer.lr=0.2`."""
     if cfg.mlflow.run_name:
         return cfg.mlflow.run_name
+    name = _derived_name(cfg, speed)
+    swept = [k for k in os.environ.get(SWEPT_KEYS_ENV, "").split(",") if k not in IN_THE_NAME]
+    shown = [o.lstrip("+") for o in overrides if o.lstrip("+").partition("=")[0] in swept]
+    return " ".join([name, *shown])
+
+
+def _derived_name(cfg: DictConfig, speed: str) -> str:
     parallelism = cfg.parallelism
     parts = [cfg.model.name, parallelism.name]
     if "engine" in parallelism:  # hybrid: what syncs the replicas
@@ -234,7 +335,7 @@ def run_tags(cfg: DictConfig, world_size: int, overrides: Sequence[str] = ()) ->
         "model": cfg.model.name,
         "data": cfg.data.name,
         "world_size": str(world_size),
-        "overrides": " ".join(overrides),
+        "overrides": credentials.redact(" ".join(overrides)),
         **{str(k): str(v) for k, v in (cfg.mlflow.get("tags") or {}).items()},
     }
 
@@ -247,7 +348,11 @@ def _sweep_tags() -> dict[str, str]:
 
 
 def record_failure(
-    cfg: DictConfig, output_dir: str | Path, error: str, tags: Mapping[str, str] | None = None
+    cfg: DictConfig,
+    output_dir: str | Path,
+    error: str,
+    tags: Mapping[str, str] | None = None,
+    overrides: Sequence[str] = (),
 ) -> str | None:
     """Keep a job's failure in MLflow: `error.txt` on its run, created FAILED if it never began.
 
@@ -259,13 +364,34 @@ def record_failure(
     except TrackingUnavailableError:
         return None
     id_file = Path(output_dir) / RUN_ID_FILE
-    if id_file.is_file():
-        tracker.run_id = id_file.read_text().strip()
-    else:
-        tracker.start(run_name(cfg), {}, tags or {})
-    tracker._client.log_text(tracker.run_id, error, "error.txt")
-    tracker._client.set_terminated(tracker.run_id, status="FAILED")
+    try:
+        if id_file.is_file():
+            tracker.run_id = id_file.read_text().strip()
+        else:
+            tracker.start(run_name(cfg, overrides=overrides), {}, tags or {})
+        tracker._client.log_text(tracker.run_id, error, "error.txt")
+        tracker._client.set_terminated(tracker.run_id, status="FAILED")
+    except Exception as failure:  # the store took the run's data but takes no more
+        log.warning("Could not record the failure in MLflow: %s", failure)
+        return None
     return tracker.run_id
+
+
+def close_run(mlflow_cfg: DictConfig, output_dir: str | Path, status: str) -> None:
+    """Close the job's run as `status` unless it FINISHED: the rank that tracks it may have been
+    killed before it could close it, or have seen its peers vanish first and closed it FAILED.
+    Quietly nothing when the job has no run or no store."""
+    id_file = Path(output_dir) / RUN_ID_FILE
+    if not id_file.is_file():
+        return
+    tracker = Tracker(mlflow_cfg)
+    try:
+        tracker.connect()
+        run_id = id_file.read_text().strip()
+        if tracker._client.get_run(run_id).info.status != "FINISHED":
+            tracker._client.set_terminated(run_id, status=status)
+    except Exception as error:  # the store is gone: nothing more can be kept
+        log.warning("Could not mark run %s as %s: %s", id_file.read_text().strip(), status, error)
 
 
 # --- sweeps: one parent run per multirun -------------------------------------------------
@@ -285,22 +411,24 @@ def start_sweep(mlflow_cfg: DictConfig, name: str, grid: Mapping[str, str], swee
         client.log_batch(run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
     os.environ[PARENT_RUN_ENV] = run_id
     os.environ[SWEEP_NAME_ENV] = name
+    os.environ[SWEPT_KEYS_ENV] = ",".join(k for k, v in grid.items() if "," in v)
     return run_id
 
 
-def end_sweep(mlflow_cfg: DictConfig, run_id: str) -> tuple[int, int, str]:
-    """Close the parent, FAILED if any child failed. Returns (children, failed, UI links)."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(tracking_uri=mlflow_cfg.tracking_uri)
+def end_sweep(
+    mlflow_cfg: DictConfig, run_id: str, status: str | None = None
+) -> tuple[int, int, str]:
+    """Close the parent as `status`, or FAILED if any child failed, else FINISHED.
+    Returns (children, failed, UI links)."""
+    client = RetryingClient(mlflow_cfg.tracking_uri)
     experiment_id = client.get_run(run_id).info.experiment_id
     children = client.search_runs(
         [experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'", max_results=10000
     )
     failed = sum(child.info.status == "FAILED" for child in children)
-    client.set_terminated(run_id, status="FAILED" if failed else "FINISHED")
-    os.environ.pop(PARENT_RUN_ENV, None)
-    os.environ.pop(SWEEP_NAME_ENV, None)
+    client.set_terminated(run_id, status=status or ("FAILED" if failed else "FINISHED"))
+    for name in (PARENT_RUN_ENV, SWEEP_NAME_ENV, SWEPT_KEYS_ENV):
+        os.environ.pop(name, None)
     return len(children), failed, where_to_look(mlflow_cfg.tracking_uri, experiment_id, run_id)
 
 

@@ -1,0 +1,94 @@
+"""Every process a job started, wherever it went: found by a token in its environment, stopped.
+
+Launchers put their workers in process sessions and groups of their own (torchrun, horovodrun's
+middlemen), and a worker whose launcher died is re-parented to PID 1, so neither the process
+group nor the parent/child tree finds them all. The environment does: every process a job
+starts inherits `ACCELEXP_JOB=<token>` (the launchers pass the environment on to their workers),
+and `stop_job` signals each process that carries the job's token: SIGTERM to the workers, so
+rank 0 can close its MLflow run, SIGKILL to the launchers and to whatever is left after `grace_s`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+JOB_ENV = "ACCELEXP_JOB"
+GRACE_S = 20.0  # for workers to close their run after SIGTERM, before SIGKILL
+WORKER_MODULE = "accelexp.worker"
+
+
+def new_job_token() -> str:
+    return uuid.uuid4().hex
+
+
+def job_processes(token: str) -> list[int]:
+    """Live processes (not this one) whose environment carries the job's token."""
+    marker = f"{JOB_ENV}={token}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):  # gone, or not ours to read
+            if marker in (entry / "environ").read_bytes().split(b"\0") and _alive(entry):
+                found.append(int(entry.name))
+    return found
+
+
+def _alive(proc: Path) -> bool:
+    """Not a zombie (a zombie has exited; only its parent's wait is missing)."""
+    stat = (proc / "stat").read_text()
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def _signal(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signum)
+
+
+def stop_job(token: str, grace_s: float = GRACE_S) -> None:
+    """Stop every process of the job: the workers (`accelexp.worker`) get SIGTERM and
+    `grace_s` to close their run; the launchers around them are killed at once, so they
+    neither restart a worker nor print tracebacks of their own. Then SIGKILL to what is left."""
+    processes = job_processes(token)
+    workers = [pid for pid in processes if runs_worker(_argv(pid))]
+    _signal([pid for pid in processes if pid not in workers], signal.SIGKILL)
+    _signal(workers, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while job_processes(token) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    kill_job(token)
+
+
+def runs_worker(argv: list[str]) -> bool:
+    """`python [options] -m accelexp.worker SPEC`. A launcher's command line holds the worker's
+    too, after its own: `python -m torch.distributed.run ... -m accelexp.worker SPEC`,
+    `python .../horovodrun ... python -m accelexp.worker SPEC`."""
+    if "-m" not in argv[1:]:
+        return False
+    module = argv.index("-m", 1)
+    return argv[module + 1 : module + 2] == [WORKER_MODULE] and all(
+        arg.startswith("-") for arg in argv[1:module]
+    )
+
+
+def _argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
+
+
+def kill_job(token: str) -> None:
+    """SIGKILL every process of the job, until none is left (also those started meanwhile)."""
+    for _ in range(50):
+        left = job_processes(token)
+        if not left:
+            return
+        _signal(left, signal.SIGKILL)
+        time.sleep(0.1)

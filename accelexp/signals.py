@@ -1,0 +1,59 @@
+"""How a job stops on SIGINT (Ctrl-C) or SIGTERM (Slurm, Kubernetes, `kill`).
+
+`install()` makes both signals raise `Interrupted` in the main thread, a `KeyboardInterrupt`, so
+`except Exception` never swallows it and every layer unwinds as on Ctrl-C: the training run is
+closed KILLED with what it logged so far, a launcher's workers are stopped (`accelexp.launch`),
+a sweep's parent run is closed KILLED, and the process exits 128 + the signal's number (130 for
+SIGINT, 143 for SIGTERM), with one line and no traceback.
+
+A second signal while the job is already stopping is logged and ignored, so the clean-up (closing
+the MLflow run, stopping workers, each bounded in time) is never cut short half-way.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+log = logging.getLogger(__name__)
+
+HANDLED = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """The job received SIGINT or SIGTERM."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(self.name)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def interruption(error: BaseException) -> Interrupted:
+    """An `Interrupted` for any interrupt: Python's own KeyboardInterrupt is a SIGINT."""
+    return error if isinstance(error, Interrupted) else Interrupted(signal.SIGINT)
+
+
+_stopping = False
+
+
+def _raise_interrupted(signum: int, frame: object) -> None:
+    global _stopping
+    if _stopping:
+        log.warning("%s received while stopping: still stopping.", signal.Signals(signum).name)
+        return
+    _stopping = True
+    raise Interrupted(signum)
+
+
+def install() -> None:
+    """SIGINT and SIGTERM raise `Interrupted` (call once, in the main thread)."""
+    for signum in HANDLED:
+        signal.signal(signum, _raise_interrupted)

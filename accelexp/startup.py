@@ -1,0 +1,72 @@
+"""What goes wrong around the Hydra job, said in one line: `python run.py` runs `main` here.
+
+Hydra prints errors raised before the job function runs — a run folder it cannot make, an
+interpolation of its own it cannot resolve — with a traceback. `run_main` has Hydra raise them
+(`HYDRA_FULL_ERROR=1`) and says each in one line with a non-zero exit; a user who sets
+`HYDRA_FULL_ERROR=1` still gets the whole traceback. SIGINT/SIGTERM between a sweep's jobs, or
+while Hydra composes, end like a signal during a job (`accelexp.signals`): the sweep's parent run
+KILLED, one line, exit 130/143.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+from accelexp import callbacks, signals
+
+
+def run_main(main: Callable[[], object]) -> int:
+    """Run Hydra's `main`; the process's exit code."""
+    from hydra.errors import CompactHydraException
+    from omegaconf.errors import InterpolationResolutionError
+
+    from accelexp.config.validate import unresolved_reason
+
+    signals.install()
+    full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    empty = _empty_run_dir(sys.argv[1:])
+    if empty:
+        print(f"Error: {empty}", file=sys.stderr)
+        return 2
+    try:
+        main()
+    except KeyboardInterrupt as error:
+        stop = signals.interruption(error)
+        callbacks.abort_sweep("KILLED")
+        print(f"Stopped by {stop.name}.", file=sys.stderr)
+        return stop.exit_code
+    except Exception as error:
+        callbacks.abort_sweep("FAILED")  # a sweep that got as far as its parent run
+        if full_error:
+            raise
+        if isinstance(error, CompactHydraException):  # Hydra's own message, printed as it does
+            print(*(part for part in (error, error.__cause__) if part), sep="\n", file=sys.stderr)
+            return 1
+        if isinstance(error, OSError):
+            message = (
+                f"{error.strerror or error}: {error.filename}. If it is the run's folder, set "
+                f"hydra.run.dir=PATH (hydra.sweep.dir=PATH with -m) to a folder you can write."
+            )
+        elif isinstance(error, InterpolationResolutionError):
+            key = error.full_key or "the key"  # none: an override read as a string
+            message = f"{error.full_key or 'An override'}: {unresolved_reason(error, key)}"
+        else:
+            message = f"{type(error).__name__}: {error}"
+        print(f"Error: {message}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+        return 2 if isinstance(error, OSError | InterpolationResolutionError | ValueError) else 1
+    return 1 if callbacks.failed_in_last_sweep else 0
+
+
+def _empty_run_dir(args: list[str]) -> str | None:
+    """An empty `hydra.run.dir=` would make the run write into the current folder."""
+    for arg in args:
+        key, _, value = arg.lstrip("+").partition("=")
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and not value.strip("'\" "):
+            return (
+                f"{key} is empty: the run would write into the current folder. Give a "
+                f"folder, e.g. {key}=outputs/mine, or leave it out for a new dated one."
+            )
+    return None

@@ -1,0 +1,210 @@
+"""Every bad input is one clear message: `python run.py` with a wrong, empty, negative, huge,
+unset or misspelled value of each key (and of Hydra's own options) exits non-zero, names what is
+wrong, and prints no Python traceback.
+
+Each case is a real `python run.py` subprocess on a tiny synthetic run; nearly all fail in
+validation or in the checks before training, so a case costs about Python's and torch's start.
+The subprocess timeout only guards against a hang. Values tests/test_config.py and
+tests/test_cli.py already try (epochs=0, device=tpu, data.batch_size=0, model=foo, ...) are not
+repeated here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, output_of, run_cli
+from omegaconf import OmegaConf
+
+from accelexp.config import ConfigError
+from accelexp.config.resources import check_resources, usable_cores
+from accelexp.data.sources import DEFAULT_DOWNLOAD_ROOT, DatasetNotFoundError, load_cifar10
+
+# A run that would take a second, were its input good; the cases override what they test.
+TINY = {
+    "data": "synthetic",
+    "epochs": "1",
+    "max_steps_per_epoch": "1",
+    "data.num_train": "64",
+    "data.num_test": "32",
+    "data.batch_size": "16",
+    "data.image_size": "16",
+    "progress": "false",
+    "threads": "1",
+}
+UNSET = "ACCELEXP_TEST_SURELY_UNSET_VARIABLE"
+HUGE = "1000000000000"
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="valid where there is a GPU")
+
+
+def case(overrides: str, named: str, *marks: pytest.MarkDecorator):
+    """`overrides` as typed (space-separated); `named`: what the message must mention."""
+    return pytest.param(overrides.split(), named, marks=marks, id=overrides)
+
+
+CASES = [
+    # --- top-level keys -------------------------------------------------------------------
+    case("seed=-1", "seed"),
+    case("seed=4294967296", "seed"),
+    case("seed=abc", "seed"),
+    case("seed=", "seed"),
+    case("epochs=1.5", "epochs"),
+    case("max_steps_per_epoch=-1", "max_steps_per_epoch"),
+    case("target_accuracy=nan", "target_accuracy"),
+    case("device=cuda", "device=cuda", no_gpu),
+    case("threads=0", "threads"),
+    case("threads=100000", "threads"),
+    case("log_every_n_steps=0", "log_every_n_steps"),
+    case("debug.raise_at_step=-3", "debug.raise_at_step"),
+    # misspelled, added with +, removed, unknown options and flags
+    case("epoch=1", "epoch"),
+    case("+epoch=3", "epoch"),
+    case("+optimizer.learning_rate=0.1", "optimizer.learning_rate"),
+    case("~model", "model"),
+    case("model=null", "Config group override"),
+    case("+experiment=nope", "experiment"),
+    case("--foo", "--foo"),
+    # --- mlflow ----------------------------------------------------------------------------
+    case("mlflow.tracking_uri=foo://bar", "mlflow.tracking_uri"),
+    case("mlflow.tracking_uri=", "mlflow.tracking_uri"),
+    case("mlflow.tracking_uri=sqlite://", "mlflow.tracking_uri"),  # in memory: nothing kept
+    case("mlflow.tracking_uri=sqlite:////proc/forbidden/mlflow.db", "/proc/forbidden"),
+    case(f"mlflow.tracking_uri=${{oc.env:{UNSET}}}", UNSET),
+    case("mlflow.experiment=", "mlflow.experiment"),
+    case("mlflow.artifact_location=foo://bar", "mlflow.artifact_location"),
+    case("mlflow.tags=abc", "mlflow.tags"),
+    # --- speed -----------------------------------------------------------------------------
+    case("speed.channels_last=maybe", "speed.channels_last"),
+    case("speed.compile=fast", "speed.compile"),
+    case("speed.optimizer_impl=turbo", "speed.optimizer_impl"),
+    case("speed.tf32=maybe", "speed.tf32"),
+    # --- data ------------------------------------------------------------------------------
+    case("data.name=foo", "data.name"),
+    case("data=fashion_mnist data.root=/nonexistent", "/nonexistent"),
+    case(f"data.root=${{oc.env:{UNSET}}}", UNSET),
+    case("data.batch_size=1000000000", "data.batch_size"),
+    case("data.eval_batch_size=-1", "data.eval_batch_size"),
+    case("data.num_workers=-1", "data.num_workers"),
+    case("data.num_workers=1000", "data.num_workers"),
+    case("data.val_fraction=0.999", "data.batch_size"),
+    case("data.num_train=0", "data.num_train"),
+    case(f"data.num_train={HUGE}", "data.num_train"),
+    case("data.image_size=4", "data.image_size"),
+    case("data.image_size=100000", "memory"),
+    case("data.channels=0", "data.channels"),
+    case("data.num_classes=1", "data.num_classes"),
+    case("data.on_device=maybe", "data.on_device"),
+    case("data.download=maybe", "data.download"),
+    # --- model -----------------------------------------------------------------------------
+    case("model.channels=[]", "model.channels"),
+    case("model.hidden=1000000000", "model.hidden"),
+    case("model.dropout=1", "model.dropout"),
+    case("model=mlp model.widths=[]", "model.widths"),
+    # --- precision -------------------------------------------------------------------------
+    case("precision.init_scale=0", "precision.init_scale"),
+    case("precision.growth_interval=99999999999", "precision.growth_interval"),
+    # --- optimizer -------------------------------------------------------------------------
+    case("optimizer.lr=1e308", "optimizer.lr"),
+    case("optimizer.lr=nan", "optimizer.lr"),
+    case("optimizer.momentum=1", "optimizer.momentum"),
+    case("optimizer.nesterov=true optimizer.momentum=0", "optimizer.nesterov"),
+    case("optimizer.weight_decay=1e308", "optimizer.weight_decay"),
+    case("optimizer=adamw optimizer.betas=[0.9]", "optimizer.betas"),
+    case("optimizer=adamw optimizer.eps=0", "optimizer.eps"),
+    # --- scheduler -------------------------------------------------------------------------
+    case("scheduler.warmup_epochs=-1", "scheduler.warmup_epochs"),
+    case("scheduler=steplr scheduler.step_size=0", "scheduler.step_size"),
+    case("scheduler=onecycle scheduler.pct_start=1", "scheduler.pct_start"),
+    case("scheduler.name=foo", "scheduler.name"),
+    # --- parallelism -----------------------------------------------------------------------
+    case("parallelism.nprocs=0", "parallelism.nprocs"),
+    case("parallelism.nprocs=2", "parallelism.nprocs"),  # single runs in one process
+    case("parallelism=ddp parallelism.nprocs=64", "parallelism.oversubscribe=true", no_gpu),
+    case(
+        "parallelism=ddp parallelism.nprocs=2 data.num_train=64 data.batch_size=64",
+        "data.batch_size",
+    ),
+    case("parallelism=ddp parallelism.backend=nccl", "parallelism.backend", no_gpu),
+    case("parallelism=ddp parallelism.master_port=70000", "parallelism.master_port"),
+    case("parallelism.lr_scaling=cubic", "parallelism.lr_scaling"),
+    case("parallelism.accumulate_steps=0", "parallelism.accumulate_steps"),
+    case("parallelism=model parallelism.chunks=3", "parallelism.chunks"),
+    case("parallelism=hybrid parallelism.engine=mpi", "parallelism.engine"),
+    case("parallelism=horovod parallelism.op=sum", "parallelism.op"),
+    # --- Hydra's own options ---------------------------------------------------------------
+    case("hydra.run.dir=/proc/forbidden", "hydra.run.dir"),
+    case("hydra.run.dir=", "hydra.run.dir"),
+    case(f"hydra.run.dir=${{oc.env:{UNSET}}}", UNSET),
+    case("-m hydra.sweep.dir=/proc/forbidden seed=1", "hydra.sweep.dir"),
+    case("-m seed=-1", "seed"),
+    case("hydra.job.chdir=maybe", "chdir"),
+    case("hydra/launcher=nope", "hydra/launcher"),
+]
+
+
+def command(overrides: list[str], tmp_path: Path, tracking_uri: str) -> list[str]:
+    """Flags first, then the tiny run's settings the case does not set, then the case's."""
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    flags = [o for o in overrides if o.startswith("-")]
+    given = [o for o in overrides if not o.startswith("-")]
+    defaults = {
+        **TINY,
+        "mlflow.tracking_uri": tracking_uri,
+        "hydra.run.dir": str(tmp_path / "job"),
+        "hydra.sweep.dir": str(tmp_path / "sweep"),
+    }
+    return [*flags, *(f"{k}={v}" for k, v in defaults.items() if k not in keys), *given]
+
+
+@pytest.mark.parametrize(("overrides", "named"), CASES)
+def test_bad_input_is_one_clear_message(overrides, named, tmp_path, tracking_uri):
+    result = run_cli(*command(overrides, tmp_path, tracking_uri))  # its timeout: a hang guard
+    text = output_of(result)
+    assert result.returncode != 0, text
+    assert "Traceback" not in text, text
+    assert named in text, f"the message does not name {named!r}:\n{text}"
+
+
+def test_hydra_full_error_still_shows_the_traceback(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "MLFLOW_"))}
+    result = subprocess.run(
+        [sys.executable, "run.py", "hydra.run.dir=/proc/forbidden"],
+        cwd=REPO,
+        env={**env, "HYDRA_FULL_ERROR": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode != 0
+    assert "Traceback" in output_of(result)
+
+
+# --- the checks behind some of the cases, in-process -----------------------------------------
+
+
+def test_more_cpu_workers_than_cores_only_when_forced(compose_cfg):
+    workers = usable_cores() + 1
+    cfg = compose_cfg("parallelism=ddp", "device=cpu", "data.batch_size=8", "threads=null")
+    with pytest.raises(ConfigError, match=r"parallelism\.oversubscribe=true"):
+        check_resources(cfg, workers=workers)
+    check_resources(OmegaConf.merge(cfg, {"parallelism": {"oversubscribe": True}}), workers)
+
+
+def test_a_given_data_root_must_exist(compose_cfg):
+    cfg = compose_cfg("data=cifar10", "data.root=/nonexistent/cifar", "data.download=false")
+    with pytest.raises(DatasetNotFoundError, match=r"data\.root=/nonexistent/cifar does not exist"):
+        load_cifar10(cfg.data)
+
+
+def test_a_root_in_the_download_folder_may_not_exist_yet(compose_cfg):
+    """accelexp's own `outputs/data/` is where downloads go: there a missing root is created."""
+    root = DEFAULT_DOWNLOAD_ROOT / "surely-not-there"
+    cfg = compose_cfg("data=cifar10", f"data.root={root}", "data.download=false")
+    with pytest.raises(DatasetNotFoundError, match="CIFAR-10 was not found"):
+        load_cifar10(cfg.data)
+    assert not root.exists()

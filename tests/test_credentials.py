@@ -1,0 +1,235 @@
+"""A tracking URI with `user:password@` works, and the password is written and printed nowhere.
+
+A real `mlflow server` on 127.0.0.1 (it ignores basic auth, which is all this needs) takes a
+single run and a small sweep whose command lines carry `http://alice:s3cret-XYZ@...`; then every
+file of the runs' folders, of the server's store and artifacts, and the output is searched for the
+password. A small HTTP server that does demand basic auth checks that the credentials are sent.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import TINY_DATA, TINY_RUN, new_store, output_of, run_cli
+from mlflow import MlflowClient
+
+from accelexp.parallel.world import free_port
+from accelexp.tracking import credentials
+from accelexp.tracking.runs import TrackingUnavailableError, check_reachable, where_to_look
+
+SECRET = "s3cret-XYZ"
+
+
+# --- the URI's credentials -----------------------------------------------------------------
+
+
+def test_split_takes_the_credentials_out_of_an_http_uri():
+    assert credentials.split(f"http://alice:{SECRET}@127.0.0.1:5000") == (
+        "http://127.0.0.1:5000",
+        "alice",
+        SECRET,
+    )
+    assert credentials.split("https://bob:p%40ss%3Aw@mlflow.example/api") == (
+        "https://mlflow.example/api",
+        "bob",
+        "p@ss:w",
+    )
+    assert credentials.split("http://token@host:5000") == ("http://host:5000", "token", None)
+
+
+@pytest.mark.parametrize(
+    "uri", ["http://127.0.0.1:5000", "sqlite:///outputs/mlflow.db", "postgresql://u:p@db/mlflow"]
+)
+def test_split_leaves_other_uris_whole(uri):
+    assert credentials.split(uri) == (uri, None, None)
+
+
+def test_redact_and_strip_hide_the_password_in_any_text():
+    text = f"mlflow.tracking_uri=http://alice:{SECRET}@127.0.0.1:5000 precision=bf16"
+    assert credentials.redact(text) == (
+        "mlflow.tracking_uri=http://alice:***@127.0.0.1:5000 precision=bf16"
+    )
+    assert credentials.strip(text) == "mlflow.tracking_uri=http://127.0.0.1:5000 precision=bf16"
+    assert credentials.redact("postgresql://u:pw@db:5432/x") == "postgresql://u:***@db:5432/x"
+    untouched = "http://127.0.0.1:5000/#/experiments/1 sqlite:///a/b.db epochs=2"
+    assert credentials.redact(untouched) == credentials.strip(untouched) == untouched
+
+
+def test_the_credentials_go_to_mlflows_variables(monkeypatch):
+    monkeypatch.delenv(credentials.USERNAME_ENV, raising=False)
+    monkeypatch.delenv(credentials.PASSWORD_ENV, raising=False)
+    assert credentials.use_uri_credentials("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert credentials.USERNAME_ENV not in os.environ
+    clean = credentials.use_uri_credentials(f"http://alice:{SECRET}@127.0.0.1:5000")
+    assert clean == "http://127.0.0.1:5000"
+    assert os.environ[credentials.USERNAME_ENV] == "alice"
+    assert os.environ[credentials.PASSWORD_ENV] == SECRET
+
+
+def test_hydra_files_are_scrubbed(tmp_path):
+    (tmp_path / ".hydra").mkdir()
+    overrides = tmp_path / ".hydra" / "overrides.yaml"
+    overrides.write_text(f"- mlflow.tracking_uri=http://alice:{SECRET}@127.0.0.1:5000\n")
+    config = tmp_path / ".hydra" / "config.yaml"
+    config.write_text("epochs: 1\n")
+    uri = f"http://alice:{SECRET}@127.0.0.1:5000"
+    assert credentials.scrub_hydra_files(tmp_path, uri) == [overrides]
+    assert overrides.read_text() == "- mlflow.tracking_uri=http://alice:***@127.0.0.1:5000\n"
+    assert config.read_text() == "epochs: 1\n"
+
+
+def test_links_and_messages_carry_no_password():
+    uri = f"http://alice:{SECRET}@127.0.0.1:5000"
+    links = where_to_look(uri, "1", "abc")
+    assert SECRET not in links and "alice" not in links
+    assert "http://127.0.0.1:5000/#/experiments/1/runs/abc" in links
+    assert SECRET not in where_to_look(f"postgresql://u:{SECRET}@db/mlflow", "1", "abc")
+    with pytest.raises(TrackingUnavailableError) as error:
+        check_reachable(f"http://alice:{SECRET}@127.0.0.1:{free_port()}", timeout_s=2)
+    assert SECRET not in str(error.value) and "alice:***@" in str(error.value)
+
+
+class _Guarded(http.server.BaseHTTPRequestHandler):
+    """/health answers 200 only to alice with the right password, 401 to anyone else."""
+
+    expected = "Basic " + base64.b64encode(f"alice:{SECRET}".encode()).decode()
+
+    def do_GET(self) -> None:  # http.server calls it by this name
+        ok = self.headers.get("Authorization") == self.expected
+        self.send_response(200 if ok else 401)
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def guarded_server() -> Iterator[int]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Guarded)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_health_check_sends_the_credentials(guarded_server, monkeypatch):
+    monkeypatch.delenv(credentials.USERNAME_ENV, raising=False)
+    monkeypatch.delenv(credentials.PASSWORD_ENV, raising=False)
+    check_reachable(f"http://alice:{SECRET}@127.0.0.1:{guarded_server}")  # from the URI
+    with pytest.raises(TrackingUnavailableError, match="Unauthorized"):
+        check_reachable(f"http://127.0.0.1:{guarded_server}")
+    monkeypatch.setenv(credentials.USERNAME_ENV, "alice")
+    monkeypatch.setenv(credentials.PASSWORD_ENV, SECRET)
+    check_reachable(f"http://127.0.0.1:{guarded_server}")  # from MLflow's variables
+
+
+# --- real runs against a real server ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, mlflow_template_db) -> Iterator[tuple[str, Path]]:
+    """(base URL, folder of its store and artifacts) of a real `mlflow server`."""
+    folder = tmp_path_factory.mktemp("server")
+    store = new_store(folder, mlflow_template_db)
+    port = free_port()
+    log = open(folder / "server.log", "w")  # noqa: SIM115 (closed below)
+    process = subprocess.Popen(
+        [str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri", store,
+         "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--artifacts-destination", str(folder / "artifacts")],
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):  # the server starts in seconds; bounded wait
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2):
+                    break
+            except OSError:
+                assert process.poll() is None, (folder / "server.log").read_text()
+                time.sleep(0.5)
+        else:
+            pytest.fail("mlflow server did not answer /health")
+        yield base, folder
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()
+
+
+def files_with_secret(*folders: Path) -> list[str]:
+    return [
+        str(path)
+        for folder in folders
+        for path in folder.rglob("*")
+        if path.is_file() and SECRET.encode() in path.read_bytes()
+    ]
+
+
+def runs_of(base: str, experiment: str) -> list:
+    client = MlflowClient(base)
+    return client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+
+
+def secret_uri(base: str) -> str:
+    return base.replace("http://", f"http://alice:{SECRET}@")
+
+
+def test_a_run_with_a_password_in_the_uri_works_and_keeps_it_nowhere(server, tmp_path):
+    base, store = server
+    result = run_cli(
+        f"mlflow.tracking_uri={secret_uri(base)}",
+        "mlflow.experiment=single",
+        "data=synthetic",
+        *TINY_DATA,
+        *TINY_RUN,
+        "mlflow.log_checkpoint=true",
+        "parallelism=ddp",  # two worker processes, started from files in the run's folder
+        "parallelism.nprocs=2",
+        tmp_path=tmp_path,
+    )
+    text = output_of(result)
+    assert result.returncode == 0, text
+    (run,) = runs_of(base, "single")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["mlflow.tracking_uri"] == base
+    assert f"mlflow.tracking_uri={base}" in run.data.tags["overrides"]
+    assert (tmp_path / "job" / ".hydra" / "overrides.yaml").is_file()
+    assert (tmp_path / "job" / "workers" / "job.json").is_file()
+    assert SECRET not in text
+    assert files_with_secret(tmp_path, store) == []
+
+
+def test_a_sweep_with_a_password_in_the_uri_works_and_keeps_it_nowhere(server, tmp_path):
+    base, store = server
+    result = run_cli(
+        "-m",
+        "precision=fp32,bf16",
+        f"mlflow.tracking_uri={secret_uri(base)}",
+        "mlflow.experiment=sweep",
+        "data=synthetic",
+        *TINY_DATA,
+        *TINY_RUN,
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    )
+    text = output_of(result)
+    assert result.returncode == 0, text
+    runs = runs_of(base, "sweep")
+    assert len(runs) == 3  # the parent and a child per job
+    assert {run.info.status for run in runs} == {"FINISHED"}
+    assert (tmp_path / "sweep" / "multirun.yaml").is_file()
+    assert SECRET not in text
+    assert files_with_secret(tmp_path, store) == []

@@ -1,0 +1,240 @@
+"""Checkpoint and resume, with real jobs: a run killed mid-training and resumed ends exactly where
+an uninterrupted run ends (bitwise on the CPU), in the same MLflow run, with the same metrics.
+
+Also: a worker SIGKILLed under torchrun's `parallelism.max_restarts=1` (the world restarts and
+resumes by itself), a joined world whose ranks run in different folders (no shared
+filesystem), the refusals of `resume`, and a reused run folder that never adopts another run.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, compose_config, new_store, output_of, run_cli
+from jobs import Job
+from mlflow import MlflowClient
+
+from accelexp.config import ConfigError
+from accelexp.train import run
+
+# about a second per epoch on this machine: the signal lands while training, after epoch 1
+EPOCHS = 4
+RUN = (
+    "data=synthetic",
+    "data.num_train=1024",
+    "data.image_size=32",
+    "data.batch_size=32",
+    "data.augment=true",  # the loader's generator is part of the state
+    f"epochs={EPOCHS}",
+    "max_steps_per_epoch=30",
+    "progress=false",
+)
+DDP = ("parallelism=ddp", "parallelism.nprocs=2")
+EPOCH_METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
+FINAL_METRICS = ("best_val_acc", "test_loss", "test_acc")
+
+
+def the_run(uri: str):
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("accelexp").experiment_id])
+    return run
+
+
+def history(uri: str, run_id: str, key: str) -> dict[int, float]:
+    """step -> value (the last logged at that step: an epoch redone after a kill logs it again)."""
+    client = MlflowClient(tracking_uri=uri)
+    ordered = sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp)
+    return {m.step: m.value for m in ordered}
+
+
+def assert_same_training(ref_dir: Path, ref_uri: str, dir_: Path, uri: str) -> None:
+    """The same final state (bitwise) and the same metrics, epoch by epoch."""
+    ref = torch.load(ref_dir / "checkpoints" / "last.pt", weights_only=True)
+    got = torch.load(dir_ / "checkpoints" / "last.pt", weights_only=True)
+    assert got["progress"]["epoch"] == ref["progress"]["epoch"] == EPOCHS
+    for name, tensor in ref["model"].items():
+        assert torch.equal(got["model"][name], tensor), name
+    ref_momentum = [s["momentum_buffer"] for s in ref["optimizer"]["state"].values()]
+    got_momentum = [s["momentum_buffer"] for s in got["optimizer"]["state"].values()]
+    assert all(torch.equal(a, b) for a, b in zip(ref_momentum, got_momentum, strict=True))
+    ref_run, got_run = the_run(ref_uri), the_run(uri)
+    for key in EPOCH_METRICS + FINAL_METRICS:
+        expected = history(ref_uri, ref_run.info.run_id, key)
+        assert history(uri, got_run.info.run_id, key) == expected, key
+    assert sorted(history(uri, got_run.info.run_id, "val_acc")) == list(range(1, EPOCHS + 1))
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, mlflow_template_db):
+    """Uninterrupted runs, made once: {name: (output dir, tracking uri)}."""
+    made = {}
+
+    def reference(name: str, *overrides: str) -> tuple[Path, str]:
+        if name not in made:
+            folder = tmp_path_factory.mktemp(f"reference-{name}")
+            uri = new_store(folder, mlflow_template_db)
+            result = run_cli(*RUN, *overrides, f"mlflow.tracking_uri={uri}", tmp_path=folder)
+            assert result.returncode == 0, output_of(result)
+            made[name] = folder / "job", uri
+        return made[name]
+
+    return reference
+
+
+def kill_and_resume(tmp_path, template, signum, *overrides) -> tuple[Path, str, str]:
+    """A run stopped by `signum` during epoch 2 or later, then `resume=auto` in a new folder.
+    Returns (the resumed job's folder, the store, the interrupted run's id)."""
+    uri = new_store(tmp_path, template)
+    job = Job(
+        tmp_path / "first",
+        *RUN,
+        *overrides,
+        f"mlflow.tracking_uri={uri}",
+        f"hydra.run.dir={tmp_path / 'first' / 'job'}",
+    )
+    try:
+        job.wait_for(f"epoch 1/{EPOCHS}")
+        job.signal(signum)
+        assert job.finish() == 128 + signum, job.output
+    finally:
+        job.kill_everything()
+    interrupted = the_run(uri)
+    assert interrupted.info.status == "KILLED"
+    result = run_cli(
+        *RUN, *overrides, f"mlflow.tracking_uri={uri}", "resume=auto", tmp_path=tmp_path / "again"
+    )
+    assert result.returncode == 0, output_of(result)
+    assert "Resuming after epoch" in output_of(result)
+    return tmp_path / "again" / "job", uri, interrupted.info.run_id
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumed_ends_as_an_uninterrupted_one(
+    tmp_path, mlflow_template_db, references
+):
+    resumed_dir, uri, run_id = kill_and_resume(tmp_path, mlflow_template_db, signal.SIGTERM)
+    run = the_run(uri)  # one run: the same one, continued
+    assert run.info.run_id == run_id
+    assert run.info.status == "FINISHED"
+    assert int(run.data.tags["resumed_after_epoch"]) >= 1
+    assert_same_training(*references("single"), resumed_dir, uri)
+
+
+@pytest.mark.slow
+def test_a_killed_ddp_run_resumed_ends_as_an_uninterrupted_one(
+    tmp_path, mlflow_template_db, references
+):
+    resumed_dir, uri, run_id = kill_and_resume(tmp_path, mlflow_template_db, signal.SIGINT, *DDP)
+    assert the_run(uri).info.run_id == run_id
+    assert the_run(uri).info.status == "FINISHED"
+    assert_same_training(*references("ddp", *DDP), resumed_dir, uri)
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_worker_and_the_world_resumes(
+    tmp_path, mlflow_template_db, references
+):
+    uri = new_store(tmp_path, mlflow_template_db)
+    job = Job(
+        tmp_path,
+        *RUN,
+        *DDP,
+        "parallelism.max_restarts=1",
+        f"mlflow.tracking_uri={uri}",
+        f"hydra.run.dir={tmp_path / 'job'}",
+    )
+    try:
+        job.wait_for(f"epoch 1/{EPOCHS}")
+        victim = max(job.workers())
+        job.signal_pid(victim, signal.SIGKILL)
+        assert job.finish() == 0, job.output
+    finally:
+        job.kill_everything()
+    assert "Resuming after epoch" in job.output
+    assert the_run(uri).info.status == "FINISHED"
+    assert_same_training(*references("ddp", *DDP), tmp_path / "job", uri)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["torchrun", "horovodrun"])
+def test_a_joined_world_needs_no_shared_folder(launcher, tmp_path, mlflow_template_db):
+    """Each rank's Hydra makes its own run folder (as on nodes without a shared filesystem):
+    only rank 0 writes, and the others get the best weights from it, not from its disk."""
+    uri = new_store(tmp_path, mlflow_template_db)
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += ["--nproc-per-node=2", "run.py", "parallelism=ddp"]
+        rank = "${oc.env:RANK}"
+    else:
+        command = [str(Path(sys.executable).with_name("horovodrun")), "-np", "2"]
+        command += ["-H", "localhost:2", "--gloo", sys.executable, "run.py", "parallelism=horovod"]
+        rank = "${oc.env:HOROVOD_RANK}"
+    overrides = ["data=synthetic", "data.num_train=512", "data.image_size=16", "epochs=2"]
+    overrides += ["max_steps_per_epoch=3", "progress=false", "threads=1"]
+    overrides += [f"mlflow.tracking_uri={uri}", f"hydra.run.dir={tmp_path}/rank{rank}"]
+    result = subprocess.run(
+        [*command, *overrides], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, output_of(result)
+    assert (tmp_path / "rank0" / "checkpoints" / "best.pt").is_file()
+    assert not (tmp_path / "rank1" / "checkpoints").exists(), "only rank 0 writes"
+    assert the_run(uri).info.status == "FINISHED"
+
+
+def test_resume_refuses_a_checkpoint_of_another_config(compose_cfg, tmp_path):
+    run(compose_cfg("epochs=1"), tmp_path / "first")
+    with pytest.raises(ConfigError, match=r"another configuration \(optimizer.lr"):
+        run(compose_cfg("epochs=1", "optimizer.lr=0.5", f"resume={tmp_path / 'first'}"), tmp_path)
+
+
+def test_resume_says_where_it_looked(compose_cfg, tmp_path):
+    with pytest.raises(ConfigError, match="no checkpoint there"):
+        run(compose_cfg(f"resume={tmp_path / 'nothing'}"), tmp_path / "out")
+    with pytest.raises(ConfigError, match="no MLflow run with that id"):
+        run(compose_cfg("resume=0123456789abcdef0123456789abcdef"), tmp_path / "out")
+
+
+def test_resume_auto_without_an_unfinished_run_starts_afresh(compose_cfg, tmp_path):
+    metrics = run(compose_cfg("resume=auto"), tmp_path / "out")
+    assert "test_acc" in metrics
+
+
+def test_resume_by_run_id_continues_that_run(tracking_uri, tmp_path):
+    first = compose_config(tracking_uri, "epochs=1")
+    run(first, tmp_path / "first")
+    run_id = the_run(tracking_uri).info.run_id
+    again = compose_config(tracking_uri, "epochs=1", f"resume={run_id}")
+    run(again, tmp_path / "again")
+    assert the_run(tracking_uri).info.run_id == run_id  # still one run
+
+
+def test_a_reused_run_folder_never_adopts_the_run_recorded_there(tmp_path, tracking_uri):
+    tiny = ("data=synthetic", "data.num_train=256", "data.image_size=16", "epochs=1")
+    tiny += ("max_steps_per_epoch=2", "progress=false", f"mlflow.tracking_uri={tracking_uri}")
+    assert run_cli(*tiny, tmp_path=tmp_path).returncode == 0
+    failing = run_cli(*tiny, "debug.raise_on_rank=0", tmp_path=tmp_path)
+    assert failing.returncode != 0
+    client = MlflowClient(tracking_uri=tracking_uri)
+    runs = client.search_runs([client.get_experiment_by_name("accelexp").experiment_id])
+    assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED"]
+
+
+def test_a_checkpoint_that_cannot_be_written_fails_the_run_with_one_message(tmp_path, tracking_uri):
+    """A storage error (here: `checkpoints` is a file, not a folder) ends the run FAILED with
+    one line that says what to do, and keeps what it logged."""
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "checkpoints").write_text("in the way")
+    tiny = ("data=synthetic", "data.num_train=256", "data.image_size=16", "epochs=1")
+    tiny += ("max_steps_per_epoch=2", "progress=false", f"mlflow.tracking_uri={tracking_uri}")
+    result = run_cli(*tiny, tmp_path=tmp_path)
+    assert result.returncode == 2, output_of(result)
+    assert "Traceback" not in output_of(result)
+    assert "Could not write the checkpoint" in output_of(result)
+    run_ = the_run(tracking_uri)
+    assert run_.info.status == "FAILED"
+    assert "train_loss" in run_.data.metrics

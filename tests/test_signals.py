@@ -1,0 +1,106 @@
+"""SIGINT and SIGTERM to real jobs: every process stops, the run is KILLED, its metrics kept.
+
+Each job trains long enough (40 short epochs) to be signalled in the middle of training, after
+its first epoch has been logged. The test sees the job's whole process tree before the signal
+(run.py, the launcher, its workers, in whatever process sessions they are) and checks that none
+of it is left afterwards, that the exit code is 128 + the signal, that no traceback was printed,
+and what MLflow recorded.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from conftest import new_store
+from jobs import Job
+from mlflow import MlflowClient
+
+LONG = (
+    "data=synthetic",
+    "data.num_train=1024",
+    "data.image_size=16",
+    "data.batch_size=32",
+    "epochs=40",
+    "max_steps_per_epoch=8",
+    "progress=false",
+)
+STRATEGIES = {
+    "single": (),
+    "ddp": ("parallelism=ddp", "parallelism.nprocs=2"),
+    "horovod": ("parallelism=horovod", "parallelism.nprocs=2"),
+}
+
+
+def runs_of(uri: str) -> list:
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("accelexp")
+    return client.search_runs([experiment.experiment_id])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategy, signum",
+    [
+        ("single", signal.SIGTERM),
+        ("single", signal.SIGINT),
+        ("ddp", signal.SIGINT),
+        ("ddp", signal.SIGTERM),
+        ("horovod", signal.SIGTERM),
+        ("horovod", signal.SIGINT),
+    ],
+)
+def test_a_signal_stops_every_process_and_the_run_is_killed(
+    strategy, signum, tmp_path, mlflow_template_db
+):
+    uri = new_store(tmp_path, mlflow_template_db)
+    run_dir = tmp_path / "run"
+    job = Job(
+        tmp_path,
+        *LONG,
+        *STRATEGIES[strategy],
+        f"mlflow.tracking_uri={uri}",
+        f"hydra.run.dir={run_dir}",
+    )
+    try:
+        job.wait_for("epoch 1/40")
+        if strategy != "single":
+            assert len(job.workers()) == 2, "the workers run when the signal is sent"
+        job.signal(signum)
+        code = job.finish()
+    finally:
+        job.kill_everything()
+    assert code == 128 + signum, job.output
+    assert "Traceback" not in job.output, job.output
+    assert f"Stopped by {signal.Signals(signum).name}" in job.output
+    (run,) = runs_of(uri)
+    assert run.info.status == "KILLED"
+    assert "train_loss" in run.data.metrics, "the metrics logged before the signal are kept"
+    assert (run_dir / "checkpoints" / "last.pt").is_file(), "its last epoch can be resumed"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_a_sweep_and_its_parent_run_is_killed(signum, tmp_path, mlflow_template_db):
+    uri = new_store(tmp_path, mlflow_template_db)
+    job = Job(
+        tmp_path,
+        "-m",
+        *LONG,
+        "precision=fp32,bf16",
+        f"mlflow.tracking_uri={uri}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    )
+    try:
+        job.wait_for("epoch 1/40")
+        job.signal(signum)
+        code = job.finish()
+    finally:
+        job.kill_everything()
+    assert code == 128 + signum, job.output
+    assert "Traceback" not in job.output, job.output
+    runs = {run.data.tags.get("accelexp.sweep") == "true": run for run in runs_of(uri)}
+    assert len(runs_of(uri)) == 2, "the parent and the first job's run: the second never started"
+    assert runs[True].info.status == "KILLED", "the sweep's parent run"
+    assert runs[False].info.status == "KILLED", "the job that was running"
+    assert "train_loss" in runs[False].data.metrics
