@@ -38,6 +38,21 @@ def runs_of(uri: str) -> list:
     return client.search_runs([experiment.experiment_id])
 
 
+def stop_after_epoch_1(job: Job, signum: int, workers: int = 0) -> None:
+    """Signal the job once epoch 1 is logged; it must end by 128 + signum, without a traceback,
+    leaving no process behind (`Job.finish`)."""
+    try:
+        job.wait_for("epoch 1/40")
+        if workers:
+            assert len(job.workers()) == workers, "the workers run when the signal is sent"
+        job.signal(signum)
+        code = job.finish()
+    finally:
+        job.kill_everything()
+    assert code == 128 + signum, job.output
+    assert "Traceback" not in job.output, job.output
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy, signum",
@@ -62,16 +77,7 @@ def test_a_signal_stops_every_process_and_the_run_is_killed(
         f"mlflow.tracking_uri={uri}",
         f"hydra.run.dir={run_dir}",
     )
-    try:
-        job.wait_for("epoch 1/40")
-        if strategy != "single":
-            assert len(job.workers()) == 2, "the workers run when the signal is sent"
-        job.signal(signum)
-        code = job.finish()
-    finally:
-        job.kill_everything()
-    assert code == 128 + signum, job.output
-    assert "Traceback" not in job.output, job.output
+    stop_after_epoch_1(job, signum, workers=0 if strategy == "single" else 2)
     assert f"Stopped by {signal.Signals(signum).name}" in job.output
     (run,) = runs_of(uri)
     assert run.info.status == "KILLED"
@@ -91,14 +97,7 @@ def test_a_signal_stops_a_sweep_and_its_parent_run_is_killed(signum, tmp_path, m
         f"mlflow.tracking_uri={uri}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     )
-    try:
-        job.wait_for("epoch 1/40")
-        job.signal(signum)
-        code = job.finish()
-    finally:
-        job.kill_everything()
-    assert code == 128 + signum, job.output
-    assert "Traceback" not in job.output, job.output
+    stop_after_epoch_1(job, signum)
     runs = {run.data.tags.get("accelexp.sweep") == "true": run for run in runs_of(uri)}
     assert len(runs_of(uri)) == 2, "the parent and the first job's run: the second never started"
     assert runs[True].info.status == "KILLED", "the sweep's parent run"
