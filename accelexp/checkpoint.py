@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from accelexp import signals
 from accelexp.config import ConfigError
 from accelexp.errors import AccelexpError
 
@@ -86,12 +87,13 @@ def save(path: Path, payload: Mapping[str, Any]) -> None:
     On failure the previous file at `path` is left as it was."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as file:
-            torch.save(dict(payload), file)
-            file.flush()
-            os.fsync(file.fileno())
-        tmp.replace(path)
+        with signals.deferred():  # a signal inside torch.save would surface as a RuntimeError
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as file:
+                torch.save(dict(payload), file)
+                file.flush()
+                os.fsync(file.fileno())
+            tmp.replace(path)
     except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)

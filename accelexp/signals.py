@@ -7,13 +7,17 @@ a sweep's parent run is closed KILLED, and the process exits 128 + the signal's 
 SIGINT, 143 for SIGTERM), with one line and no traceback.
 
 A second signal while the job is already stopping is logged and ignored, so the clean-up (closing
-the MLflow run, stopping workers, each bounded in time) is never cut short half-way.
+the MLflow run, stopping workers, each bounded in time) is never cut short half-way. A signal that
+arrives inside `deferred()` (a checkpoint being written) is acted on when that block ends, so the
+file is never left half-written and the stop is never mistaken for a storage error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +46,37 @@ def interruption(error: BaseException) -> Interrupted:
 
 
 _stopping = False
+_deferring = 0
+_pending: int | None = None
 
 
 def _raise_interrupted(signum: int, frame: object) -> None:
-    global _stopping
-    if _stopping:
+    global _stopping, _pending
+    if _stopping or _pending is not None:
         log.warning("%s received while stopping: still stopping.", signal.Signals(signum).name)
+        return
+    if _deferring:
+        _pending = signum
+        log.info("%s received: stopping once the write is done.", signal.Signals(signum).name)
         return
     _stopping = True
     raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Run a block that must not be cut half-way; a signal received inside stops the job at its
+    end (also when the block fails: the stop wins over the block's own error)."""
+    global _deferring, _pending, _stopping
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+        if not _deferring and _pending is not None:
+            signum, _pending = _pending, None
+            _stopping = True
+            raise Interrupted(signum)
 
 
 def install() -> None:

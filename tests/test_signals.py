@@ -10,8 +10,11 @@ and what MLflow recorded.
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 
 import pytest
+import torch
 from conftest import new_store
 from jobs import Job
 from mlflow import MlflowClient
@@ -103,3 +106,37 @@ def test_a_signal_stops_a_sweep_and_its_parent_run_is_killed(signum, tmp_path, m
     assert runs[True].info.status == "KILLED", "the sweep's parent run"
     assert runs[False].info.status == "KILLED", "the job that was running"
     assert "train_loss" in runs[False].data.metrics
+
+
+CHECKPOINT_UNDER_SIGNAL = """
+import os, signal, sys
+from pathlib import Path
+import torch
+from accelexp import checkpoint, signals
+
+signals.install()
+real_save = torch.save
+
+def save_while_signalled(obj, file):
+    os.kill(os.getpid(), signal.SIGINT)  # the signal lands in the middle of the write
+    real_save(obj, file)
+
+torch.save = save_while_signalled
+try:
+    checkpoint.save(Path(sys.argv[1]), {"weights": torch.arange(1000)})
+except signals.Interrupted as stop:
+    sys.exit(stop.exit_code)
+sys.exit(0)
+"""
+
+
+def test_a_signal_during_a_checkpoint_write_stops_the_job_after_the_write(tmp_path):
+    """A signal inside torch.save once surfaced as a RuntimeError (a "storage error") and the
+    checkpoint was lost: now the write completes, then the job stops as for any signal."""
+    path = tmp_path / "last.pt"
+    done = subprocess.run(
+        [sys.executable, "-c", CHECKPOINT_UNDER_SIGNAL, str(path)], capture_output=True, text=True
+    )
+    assert done.returncode == 128 + signal.SIGINT, done.stderr
+    assert "Could not write" not in done.stderr
+    assert torch.equal(torch.load(path)["weights"], torch.arange(1000))
