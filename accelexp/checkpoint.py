@@ -86,22 +86,23 @@ def save(path: Path, payload: Mapping[str, Any]) -> None:
     """Write `payload` to `path` atomically: a temporary file, flushed to disk, then renamed.
     On failure the previous file at `path` is left as it was."""
     tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with signals.deferred():  # a signal inside torch.save would surface as a RuntimeError
+    # a signal inside torch.save would surface as a RuntimeError: it stops the job after the write
+    with signals.deferred():
+        try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as file:
                 torch.save(dict(payload), file)
                 file.flush()
                 os.fsync(file.fileno())
             tmp.replace(path)
-    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise StorageError(
-            f"Could not write the checkpoint {path}: {error}. Free space there, or run in another "
-            f"folder (hydra.run.dir=...). The run is FAILED; what it logged is kept in MLflow, and "
-            f"the last checkpoint written before, if any, is intact (resume=auto)."
-        ) from error
+        except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise StorageError(
+                f"Could not write the checkpoint {path}: {error}. Free space there, or run in "
+                f"another folder (hydra.run.dir=...). The run is FAILED; what it logged is kept in "
+                f"MLflow, and the last checkpoint written before, if any, is intact (resume=auto)."
+            ) from error
 
 
 def load(path: Path) -> dict[str, Any]:

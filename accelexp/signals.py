@@ -51,7 +51,7 @@ _pending: int | None = None
 
 
 def _raise_interrupted(signum: int, frame: object) -> None:
-    global _stopping, _pending
+    global _pending
     if _stopping or _pending is not None:
         log.warning("%s received while stopping: still stopping.", signal.Signals(signum).name)
         return
@@ -59,6 +59,11 @@ def _raise_interrupted(signum: int, frame: object) -> None:
         _pending = signum
         log.info("%s received: stopping once the write is done.", signal.Signals(signum).name)
         return
+    _stop(signum)
+
+
+def _stop(signum: int) -> None:
+    global _stopping
     _stopping = True
     raise Interrupted(signum)
 
@@ -67,7 +72,7 @@ def _raise_interrupted(signum: int, frame: object) -> None:
 def deferred() -> Iterator[None]:
     """Run a block that must not be cut half-way; a signal received inside stops the job at its
     end (also when the block fails: the stop wins over the block's own error)."""
-    global _deferring, _pending, _stopping
+    global _deferring, _pending
     _deferring += 1
     try:
         yield
@@ -75,8 +80,7 @@ def deferred() -> Iterator[None]:
         _deferring -= 1
         if not _deferring and _pending is not None:
             signum, _pending = _pending, None
-            _stopping = True
-            raise Interrupted(signum)
+            _stop(signum)
 
 
 def install() -> None:
