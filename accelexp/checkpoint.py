@@ -38,7 +38,16 @@ LAST, BEST = "last.pt", "best.pt"
 # restarts of one job: torchrun's restarts of its workers, Slurm's requeues of a job
 RESTART_ENV = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 # keys that change how a run is watched, not what it computes: a resumed run may differ in them
-NOT_TRAINING = ("resume", "progress", "log_every_n_steps", "threads", "mlflow", "debug")
+NOT_TRAINING = (
+    "resume",
+    "progress",
+    "log_every_n_steps",
+    "threads",
+    "mlflow",
+    "debug",
+    "profile",
+    "profiler",
+)
 
 
 @dataclass

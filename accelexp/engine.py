@@ -9,13 +9,17 @@ the epoch, once, summed over all ranks.
 With a compiled model the first `warmup_steps` steps of the first epoch compile it: they are
 timed apart (`EpochResult.compile_seconds`) and left out of the epoch's throughput, never
 folded into `samples_per_s`; their loss and accuracy still count.
+
+Every step tells a `StepClock` where its phases end (input, forward, backward, optimizer, the
+loop's bookkeeping): `EpochResult.breakdown` is where the timed steps' time went, averaged over
+ranks (`accelexp.diagnosis.accounting`). A `profiler` (`profile=true`) is stepped after each step.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -23,6 +27,15 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from accelexp.data import BatchLoader
+from accelexp.diagnosis.accounting import (
+    BACKWARD,
+    FORWARD,
+    INPUT,
+    OPTIMIZER,
+    OTHER,
+    Breakdown,
+    StepClock,
+)
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
@@ -35,6 +48,7 @@ class EpochResult:
     samples: int  # timed samples (all but the compile warm-up's), over all ranks
     seconds: float
     compile_seconds: float | None = None  # the compile warm-up steps, slowest rank
+    breakdown: Breakdown = field(default_factory=Breakdown)  # the timed steps, mean over ranks
 
     @property
     def samples_per_s(self) -> float:
@@ -104,6 +118,8 @@ class Trainer:
         self.log_every = log_every
         self.progress = progress and strategy.is_main
         self.warmup_steps = warmup_steps  # of the next epoch trained, then 0
+        self.clock = StepClock(self.device)
+        self.profiler = None  # a StepProfiler (profile=true), stepped after each step
 
     def batches_per_epoch(self, loader: BatchLoader) -> int:
         return batches_per_epoch(len(loader), self.max_steps)
@@ -132,30 +148,40 @@ class Trainer:
             leave=False,
             mininterval=0.5,
         )
+        clock, profiler = self.clock, self.profiler
         synchronize(self.device)
         start = time.perf_counter()
+        clock.start()
         for step, (images, labels) in enumerate(loader):
             if step == steps:
                 break
+            clock.mark(INPUT)
             step_now = (step + 1) % accumulate == 0 or step + 1 == steps
             with self.strategy.backward_context(self.model, sync=step_now):
                 with self.precision.autocast():
                     logits = self.model(images)
                     loss = F.cross_entropy(logits, labels)
+                clock.mark(FORWARD)
                 self.precision.backward(loss / accumulate if accumulate > 1 else loss)
+            clock.mark(BACKWARD)
             if step_now:
                 self.strategy.optimizer_step(self.optimizer, self.precision)
                 self.optimizer.zero_grad()  # set_to_none by default since torch 2.0
                 self.scheduler.step()
+            clock.mark(OPTIMIZER)
             loss_sum += loss.detach() * len(labels)
             correct += (logits.argmax(1) == labels).sum()
             seen += len(labels)
             bar.update()
+            if profiler is not None:
+                profiler.step()
             if step + 1 == warmup:  # compiled: time the steps from here on
                 synchronize(self.device)
                 now = time.perf_counter()
                 compile_seconds, start, timed_from = now - start, now, seen
-            if self.progress and (step + 1) % self.log_every == 0:
+                self.strategy.take_comm_time()  # the compile steps' communication is not timed
+                clock.start()
+            elif self.progress and (step + 1) % self.log_every == 0:
                 elapsed = time.perf_counter() - start
                 bar.set_postfix(
                     loss=f"{loss_sum.item() / seen:.4f}",
@@ -163,8 +189,10 @@ class Trainer:
                     img_s=f"{(seen - timed_from) * self.strategy.replicas / elapsed:.0f}",
                     refresh=False,
                 )
+            clock.mark(OTHER)
         synchronize(self.device)
         seconds = time.perf_counter() - start
+        breakdown = clock.stop(self.strategy.take_comm_time())
         bar.close()
         total_loss, total_correct, total_seen, total_timed = self._sum_over_ranks(
             loss_sum, correct, seen, seen - timed_from
@@ -179,7 +207,12 @@ class Trainer:
             int(total_timed),
             seconds,
             compile_seconds if warmup > 0 else None,
+            self._mean_over_ranks(breakdown),
         )
+
+    def _mean_over_ranks(self, breakdown: Breakdown) -> Breakdown:
+        total = self.strategy.reduce_sum(breakdown.to_tensor(self.device))
+        return Breakdown.from_tensor(total / self.strategy.world_size)
 
     @torch.no_grad()
     def evaluate(self, loader: BatchLoader) -> tuple[float, float]:

@@ -26,6 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from accelexp import checkpoint
 from accelexp.config import ConfigError, validate
 from accelexp.data import BatchLoader, DataBundle, build_data, resolve_on_device
+from accelexp.diagnosis import flops
+from accelexp.diagnosis.profiler import StepProfiler
+from accelexp.diagnosis.run import RunDiagnosis, is_out_of_memory
 from accelexp.engine import Trainer, check_diverged, optimizer_steps_per_epoch
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
@@ -88,11 +91,18 @@ def make_loaders(
     return train, val, test
 
 
-class FailingLoader:
-    """Test hook (`debug.raise_on_rank`): the loader of one rank raises at a given step."""
+class DebugLoader:
+    """Test hooks: the loader of one rank raises at a given step (`debug.raise_on_rank`), the
+    loaders raise a real `torch.OutOfMemoryError` (`debug.raise_oom_at_step`), each batch
+    arrives `debug.input_delay_ms` late (a slow input pipeline)."""
 
-    def __init__(self, loader: BatchLoader, at_step: int, rank: int) -> None:
-        self.loader, self.at_step, self.rank = loader, at_step, rank
+    def __init__(self, loader: BatchLoader, debug: DictConfig, rank: int) -> None:
+        self.loader, self.debug, self.rank = loader, debug, rank
+
+    @classmethod
+    def wrap(cls, loader: BatchLoader, debug: DictConfig, rank: int) -> BatchLoader:
+        wanted = debug.raise_on_rank == rank or debug.raise_oom_at_step or debug.input_delay_ms
+        return cls(loader, debug, rank) if wanted else loader
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -101,9 +111,16 @@ class FailingLoader:
         self.loader.set_epoch(epoch)
 
     def __iter__(self):
+        debug = self.debug
         for step, batch in enumerate(self.loader, start=1):
-            if step == self.at_step:
+            if debug.raise_on_rank == self.rank and step == debug.raise_at_step:
                 raise RuntimeError(f"debug.raise_on_rank={self.rank}: failing at step {step}")
+            if step == debug.raise_oom_at_step:
+                raise torch.OutOfMemoryError(
+                    f"debug.raise_oom_at_step={step}: out of memory. Tried to allocate 2.00 GiB"
+                )
+            if debug.input_delay_ms:
+                time.sleep(debug.input_delay_ms / 1e3)
             yield batch
 
 
@@ -142,10 +159,12 @@ def _run(
         cfg, data, strategy, switches.memory_format
     )
     placement, generator = train_loader.placement, train_loader.generator
-    if cfg.debug.raise_on_rank == strategy.rank:
-        train_loader = FailingLoader(train_loader, cfg.debug.raise_at_step, strategy.rank)
+    train_loader = DebugLoader.wrap(train_loader, cfg.debug, strategy.rank)
+    model = switches.prepare(model)
+    sample_shape = (data.in_channels, data.image_size, data.image_size)
+    flops_per_sample = flops.train_flops_per_sample(model, sample_shape)  # before placement
     model = strategy.wrap_model(
-        switches.prepare(model),
+        model,
         # a batch's shape, for strategies that time the model (parallelism.balance=compute)
         input_shape=(cfg.data.batch_size, data.in_channels, data.image_size, data.image_size),
     )
@@ -178,6 +197,10 @@ def _run(
         cfg.progress,
         warmup_steps=switches.warmup_steps,
     )
+    profiler = StepProfiler(cfg, output_dir, strategy.rank, strategy.device)
+    trainer.profiler = profiler if profiler.enabled else None
+    diagnosis = RunDiagnosis(strategy, precision, cfg.data.batch_size, flops_per_sample)
+    name = run_name(cfg, switches.summary(), overrides)
     progress = checkpoint.Progress()
     if state is not None:
         progress = checkpoint.restore(
@@ -211,15 +234,16 @@ def _run(
             "config_hash": config_hash(resolved),
             "output_dir": str(output_dir.resolve()),
         }
-        tracker.start(run_name(cfg, switches.summary(), overrides), params, tags)
+        tracker.start(name, params, tags)
     if tracker.run_id:  # a failure later on is recorded on this run (tracking.record_failure)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RUN_ID_FILE).write_text(tracker.run_id)
-    fit = Fit(cfg, output_dir, trainer, tracker, generator, resolved)
+    fit = Fit(cfg, output_dir, trainer, tracker, generator, resolved, diagnosis, profiler)
     try:
         if state is None:
             _log_run_files(tracker, output_dir, resolved)
         metrics = fit(train_loader, val_loader, test_loader, progress)
+        diagnosis.finish(tracker, name)
     except (KeyboardInterrupt, SystemExit):  # a signal; SystemExit: submitit's requeue
         tracker.end("KILLED")
         raise
@@ -253,8 +277,10 @@ def _state_to_resume(
 class Fit:
     """The epochs of one run, from where `progress` stands, then the best weights' test.
 
-    Every epoch ends with its metrics logged, the best weights kept (`best.pt`) and the whole
-    training state written (`last.pt`, see `accelexp.checkpoint`).
+    Every epoch ends with its metrics logged (with where its time went: `accelexp.diagnosis`),
+    the best weights kept (`best.pt`) and the whole training state written (`last.pt`, see
+    `accelexp.checkpoint`). Running out of memory ends the run with one message (the peak
+    reached, the ways out), not a traceback.
     """
 
     def __init__(
@@ -265,8 +291,11 @@ class Fit:
         tracker: Tracker,
         generator: torch.Generator,
         resolved: dict,
+        diagnosis: RunDiagnosis,
+        profiler: StepProfiler,
     ) -> None:
         self.cfg, self.trainer, self.tracker = cfg, trainer, tracker
+        self.diagnosis, self.profiler = diagnosis, profiler
         self.strategy = trainer.strategy
         self.generator, self.resolved = generator, resolved
         self.checkpoints = output_dir / "checkpoints"
@@ -278,14 +307,35 @@ class Fit:
         test_loader: BatchLoader,
         progress: checkpoint.Progress,
     ) -> dict[str, float]:
+        try:
+            return self.epochs(train_loader, val_loader, test_loader, progress)
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
+            if not is_out_of_memory(error):
+                raise
+            failure = self.diagnosis.out_of_memory(error, progress.epoch + 1)
+        # raised here, not in the handler: the error's frames, and the tensors they hold, are
+        # freed before a sweep's next job starts
+        raise failure
+
+    def epochs(
+        self,
+        train_loader: BatchLoader,
+        val_loader: BatchLoader,
+        test_loader: BatchLoader,
+        progress: checkpoint.Progress,
+    ) -> dict[str, float]:
         cfg, trainer, strategy = self.cfg, self.trainer, self.strategy
         run_start = time.perf_counter() - progress.elapsed_s
         for epoch in range(progress.epoch + 1, cfg.epochs + 1):
             strategy.reset_memory_stats()
             lr = trainer.optimizer.param_groups[0]["lr"]
-            train = trainer.train_epoch(train_loader, epoch)
+            with self.profiler.epoch(epoch):
+                train = trainer.train_epoch(train_loader, epoch)
+            self.diagnosis.profiled(self.profiler.collect(strategy, self.tracker))
             val_loss, val_acc = trainer.evaluate(val_loader)
             elapsed = time.perf_counter() - run_start
+            memory = strategy.memory_metrics()
+            per_device = train.samples_per_s / strategy.num_devices
             metrics = {
                 "train_loss": train.loss,
                 "train_acc": train.accuracy,
@@ -294,11 +344,12 @@ class Fit:
                 "lr": lr,
                 "epoch_time_s": train.seconds,
                 "samples_per_s": train.samples_per_s,
-                "samples_per_s_per_device": train.samples_per_s / strategy.num_devices,
-                **strategy.memory_metrics(),
+                "samples_per_s_per_device": per_device,
+                **memory,
                 "grad_scale": trainer.precision.grad_scale(),
                 "compile_s": train.compile_seconds,
                 "elapsed_s": elapsed,
+                **self.diagnosis.epoch(train.breakdown, per_device, memory.get("peak_mem_mb")),
             }
             self.tracker.log_metrics(metrics, step=epoch)
             check_diverged(train, epoch, trainer.precision, lr)

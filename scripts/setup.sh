@@ -3,7 +3,8 @@
 #   1. Debian's dataset-fashion-mnist (the real data of the default run) and chromium (the tests
 #      look at the MLflow UI in it), when apt is usable;
 #   2. a virtual environment at .venv with torch/torchvision and the project (editable, +dev);
-#   3. Horovod, compiled against that torch once and cached as a wheel (scripts/build_horovod.sh).
+#   3. Holistic Trace Analysis (HTA), which analyses the profile=true traces;
+#   4. Horovod, compiled against that torch once and cached as a wheel (scripts/build_horovod.sh).
 # Re-running skips every step whose result is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -54,7 +55,17 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$digest" ]; then
   echo "$digest" >"$stamp"
 fi
 
-# 3. Horovod (built against the torch above; cached)
+# 3. Holistic Trace Analysis, without its declared dependencies: they pull in JupyterLab and ~70
+#    notebook packages it never imports, and pytest. What it does import (pandas, plotly, numpy,
+#    networkx, psutil, PyYAML) comes with the project's dependencies and torch above.
+HTA_VERSION=0.5.0
+have_hta=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("HolisticTraceAnalysis"))' 2>/dev/null || true)
+if [ "$have_hta" != "$HTA_VERSION" ]; then
+  say "installing HolisticTraceAnalysis==$HTA_VERSION (--no-deps)"
+  pip_install --no-deps "HolisticTraceAnalysis==$HTA_VERSION"
+fi
+
+# 4. Horovod (built against the torch above; cached)
 if [ -x scripts/build_horovod.sh ]; then
   bash scripts/build_horovod.sh "$VENV"
 fi

@@ -236,9 +236,24 @@ class MlflowConfig:
 
 
 @dataclass
+class ProfilerConfig:
+    """`profile=true`: torch.profiler on every rank for a few steps of one epoch."""
+
+    epoch: int = 1  # the epoch profiled (its steps are numbered from 1)
+    wait: int = 1  # steps skipped first
+    warmup: int = 1  # steps traced but discarded (the profiler's own start-up)
+    active: int = 3  # steps recorded into the trace
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+
+
+@dataclass
 class DebugConfig:
     raise_on_rank: int | None = None
     raise_at_step: int = 1
+    input_delay_ms: float = 0.0  # each training batch arrives this much later (a slow pipeline)
+    raise_oom_at_step: int | None = None  # a real torch.OutOfMemoryError raised at this step
 
 
 @dataclass
@@ -261,7 +276,9 @@ class Config:
     progress: bool = True
     log_every_n_steps: int = 20
     resume: str | None = None  # auto | <MLflow run id> | <run folder or last.pt>: continue a run
-    # test hook: this rank raises at this training step (a crashed worker, on purpose)
+    profile: bool = False  # torch.profiler traces of a few steps (see `profiler`), MLflow artifacts
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    # test hooks: a crashed worker, a slow input pipeline, an out-of-memory error, on purpose
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 

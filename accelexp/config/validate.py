@@ -121,6 +121,12 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
         ("parallelism.engine", lambda v: v in ("ddp", "horovod"), "ddp or horovod"),
         ("parallelism.devices_per_replica", *at_least_one),
         ("debug.raise_at_step", *at_least_one),
+        ("debug.input_delay_ms", lambda v: v >= 0, "a number of milliseconds >= 0"),
+        ("debug.raise_oom_at_step", *optional_at_least_one),
+        ("profiler.epoch", *at_least_one),
+        ("profiler.wait", lambda v: v >= 0, "an integer >= 0"),
+        ("profiler.warmup", lambda v: v >= 0, "an integer >= 0"),
+        ("profiler.active", *at_least_one),
         ("speed.channels_last", *auto_or_bool),
         ("speed.compile", lambda v: v in COMPILE_MODES, f"one of {', '.join(COMPILE_MODES)}"),
         (

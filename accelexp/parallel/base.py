@@ -17,6 +17,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 from torch.utils.data import DistributedSampler, Sampler
 
+from accelexp.diagnosis.accounting import CommTime
 from accelexp.errors import AccelexpError
 from accelexp.parallel.world import WorldShape
 from accelexp.precision import Precision
@@ -198,6 +199,15 @@ class Strategy:
     def eval_sampler(self, num_samples: int) -> Sampler[int]:
         """This rank's share of an evaluation set: each sample once over all ranks, no padding."""
         return ShardSampler(num_samples, self.replicas, self.rank)
+
+    # --- communication time (accelexp.diagnosis.accounting) -----------------------------------
+    def take_comm_time(self) -> CommTime | None:
+        """The communication this strategy timed since the last call; None: it does none."""
+        return None
+
+    def comm_advice(self) -> list[tuple[str, str]]:
+        """Overrides that cut this strategy's communication, each with why (for a verdict)."""
+        return []
 
     # --- collectives -------------------------------------------------------------------------
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -5,13 +5,22 @@ NCCL on CUDA, Gloo on CPU (`backend: auto`). The process joins the world its lau
 local port, so the same code path runs at every size. Options: SyncBatchNorm, bucket size, static
 graph, gradient compression through DDP's comm hooks (fp16/bf16), and gradient accumulation with
 `no_sync` on the micro-batches that only accumulate.
+
+Communication time (on a CPU, Gloo): a comm hook around the allreduce (`TimedAllreduce`) notes when
+each gradient bucket was handed to Gloo and when its allreduce finished. Per step, the union of
+those intervals is the time communication was in flight, and the time from the last bucket's
+hand-over (the backward's compute is done) to the last allreduce's end is what the host waited
+for in the backward pass. On CUDA, NCCL's futures complete at enqueue time, so host clocks cannot
+time them: DDP keeps its built-in hooks there, and `profile=true` (HTA) gives the GPU's figures.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
+import time
 from collections.abc import Sequence
 
 import torch
@@ -20,11 +29,49 @@ import torch.nn as nn
 from omegaconf import DictConfig
 from torch.nn.parallel import DistributedDataParallel
 
+from accelexp.diagnosis.accounting import CommTime
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Strategy
 from accelexp.parallel.world import WorldShape, current_world, free_port, slurm_master_addr
 
 TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class TimedAllreduce:
+    """A DDP comm hook that runs `hook` (DDP's allreduce, or a compressing one) and times it."""
+
+    def __init__(self, hook) -> None:
+        self.hook = hook
+        self.comm = CommTime()
+        self.buckets: list[tuple[float, list[float]]] = []  # (handed over, [finished]) per bucket
+
+    def as_hook(self):
+        """A function for `register_comm_hook`, which reads a hook's name and signature."""
+        return functools.wraps(self.hook)(lambda state, bucket: self(state, bucket))
+
+    def __call__(self, state: object, bucket: dist.GradBucket) -> torch.futures.Future:
+        finished: list[float] = []
+        self.buckets.append((time.perf_counter(), finished))
+
+        def done(future: torch.futures.Future) -> torch.Tensor:
+            finished.append(time.perf_counter())  # on the thread that completed the allreduce
+            return future.value()
+
+        return self.hook(state, bucket).then(done)
+
+    def step_done(self) -> None:
+        """After a synchronising backward pass: its buckets' times go into `comm`."""
+        intervals = sorted((start, end[0]) for start, end in self.buckets if end)
+        self.buckets.clear()
+        if not intervals:
+            return
+        last_handed_over = max(start for start, _ in intervals)
+        self.comm.wait("backward", max(0.0, max(end for _, end in intervals) - last_handed_over))
+        inflight, reach = 0.0, float("-inf")  # the union of the intervals
+        for start, end in intervals:
+            inflight += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        self.comm.in_flight(inflight)
 
 
 class DDP(Strategy):
@@ -34,6 +81,7 @@ class DDP(Strategy):
     def __init__(self, cfg: DictConfig, device: str = "auto") -> None:
         super().__init__(cfg, device)
         self._owns_group = False
+        self._timed: TimedAllreduce | None = None
 
     def setup(self) -> None:
         world = current_world()
@@ -114,21 +162,47 @@ class DDP(Strategy):
             static_graph=self.cfg.static_graph,
             find_unused_parameters=self.cfg.find_unused_parameters,
         )
-        if self.cfg.comm_hook != "none":
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-            hook = {
-                "fp16": default_hooks.fp16_compress_hook,
-                "bf16": default_hooks.bf16_compress_hook,
-            }
-            ddp.register_comm_hook(state=None, hook=hook[self.cfg.comm_hook])
+        hook = {
+            "none": default_hooks.allreduce_hook,
+            "fp16": default_hooks.fp16_compress_hook,
+            "bf16": default_hooks.bf16_compress_hook,
+        }[self.cfg.comm_hook]
+        if self.device.type == "cpu":
+            self._timed = TimedAllreduce(hook)
+            hook = self._timed.as_hook()
+        if hook is not default_hooks.allreduce_hook:  # that one is DDP's own, built in
+            ddp.register_comm_hook(state=None, hook=hook)
         return ddp
+
+    def comm_advice(self) -> list[tuple[str, str]]:
+        return [
+            ("parallelism.comm_hook=fp16", "gradients sent as fp16: half the bytes to allreduce"),
+            (
+                f"parallelism.bucket_cap_mb={self.cfg.bucket_cap_mb / 4:g}",
+                "smaller buckets start their allreduce earlier in the backward pass",
+            ),
+        ]
+
+    def take_comm_time(self) -> CommTime | None:
+        if self._timed is None:
+            return None
+        comm, self._timed.comm = self._timed.comm, CommTime()
+        return comm
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
 
-    def backward_context(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if sync else model.no_sync()
+    @contextlib.contextmanager
+    def backward_context(self, model: nn.Module, sync: bool):
+        if not sync:
+            with model.no_sync():
+                yield
+            return
+        yield
+        if self._timed is not None:
+            self._timed.step_done()
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)

@@ -10,16 +10,24 @@ With a GradScaler (fp16 AMP on CUDA) the step follows Horovod's AMP recipe: sync
 gradients, unscale them, then step without a second synchronization. Horovod's allreduce has no
 bfloat16: accelexp keeps parameters, hence gradients, in fp32 under every precision (autocast
 only changes the compute dtype), and refuses a model whose parameters are bf16.
+
+Communication time: Horovod's background thread allreduces each gradient as the backward pass
+produces it; `optimizer.synchronize()` waits for what is left. The step calls it explicitly and
+times it — the communication the host waited for (`accelexp.diagnosis.accounting`). When the
+allreduces were in flight is Horovod's own business: its timeline (`HOROVOD_TIMELINE=file.json`)
+records every tensor's negotiation and allreduce.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from accelexp.diagnosis.accounting import CommTime
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Strategy
 from accelexp.parallel.world import WorldShape, current_world
@@ -73,6 +81,7 @@ class Horovod(Strategy):
     def __init__(self, cfg: DictConfig, device: str = "auto") -> None:
         super().__init__(cfg, device)
         self.hvd = _import_horovod()
+        self.comm = CommTime()
 
     def setup(self) -> None:
         hvd = self.hvd
@@ -133,13 +142,23 @@ class Horovod(Strategy):
         )
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
-        if precision.scaler is None:
-            precision.step(optimizer)  # DistributedOptimizer.step() synchronizes first
-            return
+        # what DistributedOptimizer.step() does, with the wait timed
+        start = time.perf_counter()
         optimizer.synchronize()
-        precision.unscale_(optimizer)
+        self.comm.wait("optimizer", time.perf_counter() - start)
+        if precision.scaler is not None:
+            precision.unscale_(optimizer)
         with optimizer.skip_synchronize():
             precision.step(optimizer)
+
+    def comm_advice(self) -> list[tuple[str, str]]:
+        return [
+            ("parallelism.compression=fp16", "gradients sent as fp16: half the bytes to allreduce")
+        ]
+
+    def take_comm_time(self) -> CommTime | None:
+        comm, self.comm = self.comm, CommTime()
+        return comm
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.hvd.allreduce(tensor, op=self.hvd.Sum)

@@ -251,6 +251,21 @@ class Tracker:
             elif path.is_file():
                 self._client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        if not self.enabled:
+            return
+        from mlflow.entities import RunTag
+
+        with self._writing("the tags"):
+            self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """`text` as the artifact `artifact_file` (e.g. diagnosis.md) of this run."""
+        if not self.enabled:
+            return
+        with self._writing(f"the artifact {artifact_file}"):
+            self._client.log_text(self.run_id, text, artifact_file)
+
     @contextlib.contextmanager
     def _writing(self, what: str) -> Iterator[None]:
         """A store that stops taking writes mid-run (a full disk, a server gone) is one message."""

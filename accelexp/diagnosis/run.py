@@ -1,0 +1,114 @@
+"""The diagnosis of one run: each epoch's time accounting logged, the verdict said at the end.
+
+`RunDiagnosis` is fed every trained epoch's breakdown and throughput (metrics `time/*`,
+`achieved_gflops`), and at the run's end, on the main rank, measures the device's matmul peak,
+draws the verdict (`verdict.diagnose`) from the last epoch, prints it, and records it in MLflow:
+tags `diagnosis`, `diagnosis_detail`, `diagnosis_next`, the artifact `diagnosis.md`, and the
+metrics `flop_utilisation` and `peak_gflops`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from accelexp.diagnosis import flops
+from accelexp.diagnosis.accounting import Breakdown
+from accelexp.diagnosis.verdict import MEMORY_ADVICE, RunFacts, Verdict, diagnose
+from accelexp.errors import AccelexpError
+from accelexp.parallel.base import Strategy
+from accelexp.precision import Precision
+from accelexp.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+
+class RunOutOfMemoryError(AccelexpError):
+    """The device ran out of memory; the message gives the peak and the ways out."""
+
+
+class RunDiagnosis:
+    def __init__(
+        self,
+        strategy: Strategy,
+        precision: Precision,
+        batch_size: int,
+        flops_per_sample: float | None,
+    ) -> None:
+        self.strategy, self.precision = strategy, precision
+        self.batch_size, self.flops_per_sample = batch_size, flops_per_sample
+        self.last: Breakdown | None = None
+        self.samples_per_s_per_device = 0.0
+        self.peak_mem_mb: float | None = None
+        self.hta: dict[str, float] = {}
+
+    def profiled(self, hta_figures: dict[str, float]) -> None:
+        """HTA's figures of the profiled epoch (GPU traces only), evidence for the verdict."""
+        self.hta.update(hta_figures)
+
+    def epoch(
+        self, breakdown: Breakdown, samples_per_s_per_device: float, peak_mem_mb: float
+    ) -> dict[str, float | None]:
+        """This epoch's metrics; the last epoch is the one the verdict reads."""
+        self.last, self.peak_mem_mb = breakdown, peak_mem_mb
+        self.samples_per_s_per_device = samples_per_s_per_device
+        achieved = None
+        if self.flops_per_sample:
+            achieved = self.flops_per_sample * samples_per_s_per_device / 1e9
+        return {**breakdown.metrics(), "achieved_gflops": achieved}
+
+    def finish(self, tracker: Tracker, run_name: str) -> Verdict | None:
+        """On the main rank: the verdict, printed and recorded. None before any epoch."""
+        if not self.strategy.is_main or self.last is None:
+            return None
+        device = self.strategy.device
+        utilisation = peak = None
+        if self.flops_per_sample:
+            peak = flops.peak_flops(device, self.precision.autocast)
+            utilisation = self.flops_per_sample * self.samples_per_s_per_device / peak
+        verdict = diagnose(
+            RunFacts(
+                breakdown=self.last,
+                device_type=device.type,
+                batch_size=self.batch_size,
+                flop_utilisation=utilisation,
+                peak_mem_mb=self.peak_mem_mb,
+                device_mem_mb=device_memory_mb(device),
+                comm_advice=self.strategy.comm_advice(),
+                hta=self.hta,
+            )
+        )
+        log.info("%s", verdict.console())
+        tracker.log_metrics({"flop_utilisation": utilisation, "peak_gflops": peak and peak / 1e9})
+        tracker.set_tags(verdict.tags())
+        tracker.log_text(verdict.markdown(run_name), "diagnosis.md")
+        return verdict
+
+    def out_of_memory(self, error: BaseException, epoch: int) -> RunOutOfMemoryError:
+        """The one message of a run that ran out of memory (`error`: the allocator's)."""
+        device = self.strategy.device
+        total = device_memory_mb(device)
+        peak = self.strategy.memory_metrics().get("peak_mem_mb")
+        reached = f"peak {peak:.0f} MB" if peak is not None else "peak unknown"
+        if total:
+            reached += f" of {total:.0f} MB"
+        tried = str(error).strip().splitlines()[0][:160]
+        ways = "; ".join(f"{override} ({why})" for override, why in MEMORY_ADVICE)
+        return RunOutOfMemoryError(
+            f"Out of memory on {device} in epoch {epoch} with data.batch_size={self.batch_size} "
+            f"({reached}; {tried}). The run is FAILED, what it logged is kept. Ways out: {ways}."
+        )
+
+
+def device_memory_mb(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).total_memory / 2**20
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or the CPU allocator's failure (a plain RuntimeError)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "DefaultCPUAllocator: can't allocate" in str(error)
+    )

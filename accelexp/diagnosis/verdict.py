@@ -1,0 +1,225 @@
+"""What bounds a run, the evidence, and the overrides to try next.
+
+`diagnose(facts)` applies a few rules, in this order, to the last epoch's time accounting
+(`accounting.Breakdown`) and the run's FLOP and memory figures:
+
+1. **input** — the loop waited for its next batch for at least `INPUT_SHARE` of the step time.
+2. **communication** — the host waited for gradient communication for at least `COMM_SHARE` of
+   the step time (what was not hidden behind the backward pass).
+3. **memory** — on a GPU, the peak allocation reached `MEMORY_SHARE` of the device's memory: the
+   batch cannot grow, whatever else bounds the speed.
+4. **overhead** — fixed per-step costs (Python, dispatch, kernel launches) outweigh the
+   arithmetic: on a GPU, it was busy for less than `GPU_BUSY` of the time, since it kept up with
+   the host; on a CPU, the model's FLOPs ran at less than `FLOP_SHARE` of this CPU's measured
+   matmul peak.
+5. **compute** — none of the above: the device's arithmetic is the limit.
+
+The thresholds are round numbers, chosen so that the cases accelexp's tests produce on purpose
+(a slowed input pipeline, two Gloo workers on a large model with a tiny batch, a tiny model with
+a tiny batch) land where they should, and a default run lands in compute; the evidence is
+printed with every verdict, so a borderline case can be judged by the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from accelexp.diagnosis.accounting import Breakdown
+
+INPUT_SHARE = 0.25
+COMM_SHARE = 0.25
+MEMORY_SHARE = 0.90
+GPU_BUSY = 0.60
+FLOP_SHARE = 0.05
+
+
+@dataclass
+class RunFacts:
+    """What the verdict is drawn from (one run, its last epoch)."""
+
+    breakdown: Breakdown
+    device_type: str  # cpu | cuda
+    batch_size: int
+    flop_utilisation: float | None = None  # of the measured matmul peak
+    peak_mem_mb: float | None = None
+    device_mem_mb: float | None = None  # the device's total memory (CUDA)
+    # the strategy's own overrides for communication, each with why (Strategy.comm_advice)
+    comm_advice: list[tuple[str, str]] = field(default_factory=list)
+    hta: dict[str, float] = field(default_factory=dict)  # HTA's figures (profile=true, GPU)
+
+
+@dataclass
+class Verdict:
+    bound: str  # input | communication | memory | overhead | compute
+    detail: str  # one line of evidence
+    evidence: list[str]
+    advice: list[tuple[str, str]]  # (override, why)
+
+    def tags(self) -> dict[str, str]:
+        return {
+            "diagnosis": self.bound,
+            "diagnosis_detail": self.detail,
+            "diagnosis_next": self.advice[0][0] if self.advice else "",
+        }
+
+    def console(self) -> str:
+        lines = [f"Diagnosis: {self.bound}-bound — {self.detail}"]
+        lines += [f"  try {override}: {why}" for override, why in self.advice[:3]]
+        return "\n".join(lines)
+
+    def markdown(self, run_name: str) -> str:
+        lines = [
+            f"# Diagnosis of {run_name}: **{self.bound}-bound**",
+            "",
+            self.detail[0].upper() + self.detail[1:] + ".",
+            "",
+            "## Evidence (last epoch)",
+            "",
+            *(f"- {line}" for line in self.evidence),
+            "",
+            "## What to try next",
+            "",
+            *(f"- `{override}` — {why}" for override, why in self.advice),
+            "",
+        ]
+        return "\n".join(lines)
+
+
+def _pct(value: float) -> str:
+    return f"{100 * value:.0f}%"
+
+
+def evidence_lines(facts: RunFacts) -> list[str]:
+    b = facts.breakdown
+    lines = [
+        f"step time {b.wall:.2f} s: input wait {_pct(b.share('input'))}, forward "
+        f"{_pct(b.share('forward'))}, backward {_pct(b.share('backward'))}, optimizer "
+        f"{_pct(b.share('optimizer'))}, communication waited for {_pct(b.share('comm'))}, "
+        f"loop bookkeeping {_pct(b.share('other'))}"
+    ]
+    if b.comm_inflight:
+        lines.append(
+            f"communication in flight {b.comm_inflight:.2f} s, {_pct(b.comm_overlap or 0.0)} "
+            f"of it hidden behind the backward pass"
+        )
+    if b.gpu_busy is not None:
+        lines.append(f"GPU busy at least {_pct(b.gpu_busy)} of the time")
+    if facts.flop_utilisation is not None:
+        lines.append(
+            f"model FLOPs at {100 * facts.flop_utilisation:.1f}% of this device's measured "
+            f"matmul peak"
+        )
+    hta = facts.hta
+    if "hta/idle_pct" in hta:
+        lines.append(
+            f"HTA (profiled steps): GPU idle {hta['hta/idle_pct']:.0f}% (host wait "
+            f"{hta.get('hta/idle_host_wait_pct', float('nan')):.0f}% of it), compute kernels "
+            f"{hta.get('hta/compute_pct', float('nan')):.0f}%, communication overlapped "
+            f"{hta.get('hta/comm_comp_overlap_pct', float('nan')):.0f}%, short kernels "
+            f"{hta.get('hta/short_kernels_pct', float('nan')):.0f}% of launches"
+        )
+    if facts.peak_mem_mb is not None:
+        of_total = f" of {facts.device_mem_mb:.0f} MB" if facts.device_mem_mb else ""
+        lines.append(f"peak memory {facts.peak_mem_mb:.0f} MB{of_total}")
+    return lines
+
+
+def diagnose(facts: RunFacts) -> Verdict:
+    b = facts.breakdown
+    cuda = facts.device_type == "cuda"
+    evidence = evidence_lines(facts)
+    input_share, comm_share = b.share("input"), b.share("comm")
+    bigger_batch = (
+        f"data.batch_size={2 * facts.batch_size}",
+        "more work per step for the same fixed per-step costs (scale optimizer.lr with it)",
+    )
+    if input_share >= INPUT_SHARE and input_share >= comm_share:
+        advice = [
+            ("data.on_device=true", "hold the dataset on the GPU: batches gathered there")
+            if cuda
+            else ("data.num_workers=2", "prepare the next batches while the step computes"),
+            ("data.augment=false", "if augmentation is what the loader spends its time on"),
+        ]
+        return Verdict(
+            "input",
+            f"the loop waited for its next batch {_pct(input_share)} of the step time",
+            evidence,
+            advice,
+        )
+    if comm_share >= COMM_SHARE:
+        fewer = [
+            (
+                "parallelism.accumulate_steps=4",
+                "one gradient exchange per 4 batches instead of every batch",
+            ),
+            bigger_batch,
+        ]
+        # on a CPU, compressing to fp16 costs the same cores the exchange runs on (measured:
+        # no gain on Gloo), so exchanging less often comes first there
+        advice = [*facts.comm_advice, *fewer] if cuda else [*fewer, *facts.comm_advice]
+        return Verdict(
+            "communication",
+            f"waiting for gradient communication took {_pct(comm_share)} of the step time",
+            evidence,
+            advice,
+        )
+    if cuda and facts.peak_mem_mb and facts.device_mem_mb:
+        used = facts.peak_mem_mb / facts.device_mem_mb
+        if used >= MEMORY_SHARE:
+            return Verdict(
+                "memory",
+                f"the peak allocation reached {_pct(used)} of the GPU's memory",
+                evidence,
+                MEMORY_ADVICE,
+            )
+    if cuda and b.gpu_busy is not None and b.gpu_busy < GPU_BUSY:
+        return Verdict(
+            "overhead",
+            f"the GPU was busy only {_pct(b.gpu_busy)} of the time: it keeps up with the host's "
+            f"kernel launches",
+            evidence,
+            [
+                ("speed.compile=reduce-overhead", "CUDA graphs: one launch replays the whole step"),
+                bigger_batch,
+                ("speed.compile=default", "fused kernels: fewer launches per step"),
+            ],
+        )
+    if not cuda and facts.flop_utilisation is not None and facts.flop_utilisation < FLOP_SHARE:
+        return Verdict(
+            "overhead",
+            f"the model's arithmetic ran at {100 * facts.flop_utilisation:.1f}% of this CPU's "
+            f"matmul peak: per-step costs (Python, operator dispatch, the optimizer's loop over "
+            f"parameters) outweigh it",
+            evidence,
+            [
+                bigger_batch,
+                ("speed.optimizer_impl=foreach", "one batched kernel per optimizer operation"),
+                ("speed.compile=default", "fused kernels, less dispatch per step"),
+            ],
+        )
+    detail = "the device's arithmetic is the limit"
+    if facts.flop_utilisation is not None:
+        detail += f" (model FLOPs at {100 * facts.flop_utilisation:.0f}% of the measured peak)"
+    advice = [
+        ("precision=bf16", "half-width arithmetic (tensor cores on a GPU)"),
+        ("precision=amp", "fp16 with loss scaling"),
+    ]
+    if cuda:
+        advice += [
+            ("speed.channels_last=true", "the layout tensor cores want for convolutions"),
+            ("speed.tf32=true", "TF32 tensor cores for what stays fp32"),
+        ]
+    advice.append(("parallelism=ddp parallelism.nprocs=2", "more devices"))
+    return Verdict("compute", detail, evidence, advice)
+
+
+MEMORY_ADVICE = [
+    ("precision=bf16", "half-width activations: about half the memory they take"),
+    ("precision=amp", "fp16 activations, with loss scaling"),
+    (
+        "data.batch_size=<half> parallelism.accumulate_steps=2",
+        "the same samples per optimizer step, half the activations at a time",
+    ),
+    ("parallelism=model", "the layers (and their memory) split over several GPUs"),
+    ("parallelism=hybrid", "stages over GPUs within each data-parallel replica"),
+]
