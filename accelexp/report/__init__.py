@@ -5,15 +5,17 @@ and for the speed-up ladder study each rung's gain over the last.
     accelexp-report --sweep latest --format markdown
     accelexp-report --sweep <parent run id> --baseline "world_size=1,precision=fp32,parallelism=ddp"
     accelexp-report --experiment speedups --sweep latest
+    accelexp-report --sweep latest --diagnose
 
 - `compare` — one `Row` per run: throughput, speedup against a baseline, efficiency, AMP gain.
 - `ladder` — one `LadderRow` per rung of `+experiment=speedups`: gain over the last, over fp32.
-- `formats` — CSV, JSON, markdown and rich tables of either; summary/ladder files.
-- `plots` — the PNGs: throughput, efficiency, accuracy vs time, the ladder's bars.
+- `diagnose` — one `DiagnosisRow` per run: its step time's shares, its bound, the next override.
+- `formats` — CSV, JSON, markdown and rich tables of any of them; summary/ladder/diagnosis files.
+- `plots` — the PNGs: throughput, efficiency, accuracy vs time, the ladder's bars, time breakdown.
 - `cli` — `main` (the `accelexp-report` command) and `write_sweep_report` (a sweep's own report).
 
-`compare` and `ladder` are pure (records in, rows out); the rest are thin layers on them. MLflow is
-read and written only through `accelexp.tracking.query`.
+`compare`, `ladder` and `diagnose` are pure (records in, rows out); the rest are thin layers on
+them. MLflow is read and written only through `accelexp.tracking.query`.
 """
 
 from accelexp.report.cli import (
@@ -34,7 +36,9 @@ from accelexp.report.compare import (
     parse_baseline,
     throughput,
 )
+from accelexp.report.diagnose import DIAGNOSIS_COLUMNS, SEGMENTS, DiagnosisRow, diagnose
 from accelexp.report.formats import (
+    DIAGNOSIS,
     LADDER,
     RUNS,
     Layout,
@@ -45,7 +49,14 @@ from accelexp.report.formats import (
     write_tables,
 )
 from accelexp.report.ladder import LADDER_COLUMNS, RUNG_NAMES, LadderRow, ladder
-from accelexp.report.plots import LADDER_PLOT, PLOT_NAMES, plot_ladder, write_plots
+from accelexp.report.plots import (
+    LADDER_PLOT,
+    PLOT_NAMES,
+    TIME_PLOT,
+    plot_ladder,
+    plot_time_breakdown,
+    write_plots,
+)
 
 __all__ = [
     "BASELINE_KEYS",
@@ -53,6 +64,8 @@ __all__ = [
     "CONFIG_KEYS",
     "DEFAULT_BASELINE",
     "DEFAULT_TRACKING_URI",
+    "DIAGNOSIS",
+    "DIAGNOSIS_COLUMNS",
     "FORMATS",
     "LADDER",
     "LADDER_COLUMNS",
@@ -60,16 +73,21 @@ __all__ = [
     "PLOT_NAMES",
     "RUNG_NAMES",
     "RUNS",
+    "SEGMENTS",
+    "TIME_PLOT",
     "BaselineError",
+    "DiagnosisRow",
     "LadderRow",
     "Layout",
     "Row",
     "build_parser",
     "compare",
+    "diagnose",
     "ladder",
     "main",
     "parse_baseline",
     "plot_ladder",
+    "plot_time_breakdown",
     "render_table",
     "throughput",
     "to_csv",

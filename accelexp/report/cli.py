@@ -5,6 +5,10 @@ plots; the command also prints the tables in the `--format` asked for. With runs
 ladder in the selection, the ladder follows the main table everywhere: a second rich table, a
 second markdown table under a heading, a second CSV block after a blank line, and in JSON
 `{"runs": [...], "ladder": [...]}` (a selection without a ladder keeps the plain list of runs).
+
+With `--diagnose` the command reports where each run's step time went instead: the diagnosis
+table (stdout, diagnosis.csv/.md) and the stacked bars of time_breakdown.png; the comparison's
+files are left as they are, and no baseline is needed.
 """
 
 from __future__ import annotations
@@ -24,22 +28,27 @@ from accelexp.report.compare import (
     compare,
     parse_baseline,
 )
+from accelexp.report.diagnose import DiagnosisRow, diagnose, footnote
 from accelexp.report.formats import (
+    DIAGNOSIS,
     LADDER,
+    diagnosis_markdown,
     render_table,
     to_csv,
     to_json,
     to_markdown,
     to_records,
+    write_diagnosis_tables,
     write_tables,
 )
 from accelexp.report.ladder import LadderRow, ladder, ladder_subject
-from accelexp.report.plots import LADDER_PLOT, PLOT_NAMES, write_plots
+from accelexp.report.plots import LADDER_PLOT, PLOT_NAMES, TIME_PLOT, write_plots, write_time_plot
 from accelexp.tracking import query
 from accelexp.tracking.query import RunRecord
 
 DEFAULT_TRACKING_URI = "sqlite:///outputs/mlflow.db"
 FORMATS = ("table", "csv", "markdown", "json")
+DIAGNOSIS_WIDTH = 100  # the diagnosis table's rich width at most (it folds long names to fit)
 
 
 def write_sweep_report(
@@ -102,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         "  accelexp-report --sweep latest --format markdown\n"
         '  accelexp-report --sweep latest --baseline "world_size=1,precision=fp32,'
         'parallelism=ddp"\n'
-        "  accelexp-report --experiment speedups --sweep latest",
+        "  accelexp-report --experiment speedups --sweep latest\n"
+        "  accelexp-report --sweep latest --diagnose",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--experiment", metavar="NAME", help="all runs of this MLflow experiment")
@@ -126,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-dir", type=Path, help="default: outputs/reports/<sweep or experiment name>"
     )
     parser.add_argument("--no-plots", action="store_true", help="write the tables only")
+    parser.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="instead of the comparison: where each run's step time went (input, forward+"
+        "backward, optimizer, communication, other) and what bounds it, with the override to "
+        "try next; writes diagnosis.csv/.md and time_breakdown.png",
+    )
     return parser
 
 
@@ -156,6 +173,67 @@ def _print_tables(rows: Sequence[Row], rungs: Sequence[LadderRow], title: str, f
         sys.stdout.write(to_markdown(rows) + (ladder_section if rungs else ""))
 
 
+def _print_diagnosis(rows: Sequence[DiagnosisRow], title: str, fmt: str) -> None:
+    """The diagnosis table in the format asked for; a rich table folds to DIAGNOSIS_WIDTH."""
+    if fmt == "table":
+        from rich.console import Console
+
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=DIAGNOSIS_WIDTH)
+        table = render_table(rows, title, DIAGNOSIS, caption=footnote(rows))
+        console.print(table, width=min(console.width, DIAGNOSIS_WIDTH))
+    elif fmt == "json":
+        sys.stdout.write(to_json(rows))
+    elif fmt == "csv":
+        sys.stdout.write(to_csv(rows, DIAGNOSIS))
+    else:
+        sys.stdout.write(diagnosis_markdown(rows))
+
+
+def _tell_written(written: Sequence[Path], out_dir: Path, plots: Sequence[str]) -> None:
+    """On stderr: the files written, and the plots skipped for want of data."""
+    print(f"Wrote {', '.join(p.name for p in written)} to {out_dir}", file=sys.stderr)
+    skipped = [name for name in plots if out_dir / name not in written]
+    if skipped:
+        print(f"Skipped {', '.join(skipped)}: no data to plot", file=sys.stderr)
+
+
+def _comparison(
+    args: argparse.Namespace, title: str, records: list[RunRecord], out_dir: Path
+) -> None:
+    """The comparison (and the ladder): computed and written, then printed."""
+    rows = compare(records, args.baseline)
+    rungs = ladder(records)
+    written = write_tables(rows, out_dir, rungs)
+    if not args.no_plots:
+        written += write_plots(rows, records, out_dir, rungs)
+
+    _print_tables(rows, rungs, f"{title} — baseline {args.baseline}", args.format)
+    plots = [*PLOT_NAMES, LADDER_PLOT] if rungs else list(PLOT_NAMES)
+    _tell_written(written, out_dir, [] if args.no_plots else plots)
+    for row in rows:
+        if row.status == "FAILED":
+            print(
+                f"Run {row.run_name} ({row.run_id}) FAILED: its error is in the run's "
+                f"artifact error.txt",
+                file=sys.stderr,
+            )
+
+
+def _diagnosis(
+    args: argparse.Namespace, title: str, records: list[RunRecord], out_dir: Path
+) -> None:
+    """Where each run's time went: computed and written, then printed."""
+    rows = diagnose(records)
+    written = write_diagnosis_tables(rows, out_dir)
+    if not args.no_plots:
+        written += write_time_plot(rows, title, out_dir)
+
+    _print_diagnosis(rows, f"Where the time went: {title}", args.format)
+    _tell_written(written, out_dir, [] if args.no_plots else [TIME_PLOT])
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `accelexp-report` command. Exit 0, or 2 with one line on stderr."""
     parser = build_parser()
@@ -165,27 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parse_baseline(args.baseline)
         name, title, records = _select(args)
-        rows = compare(records, args.baseline)
-        rungs = ladder(records)
         out_dir = args.output_dir or Path("outputs") / "reports" / _safe_name(name)
-        written = write_tables(rows, out_dir, rungs)
-        if not args.no_plots:
-            written += write_plots(rows, records, out_dir, rungs)
+        report = _diagnosis if args.diagnose else _comparison
+        report(args, title, records, out_dir)
     except (AccelexpError, OSError) as error:
         print(f"accelexp-report: error: {error}", file=sys.stderr)
         return 2
-
-    _print_tables(rows, rungs, f"{title} — baseline {args.baseline}", args.format)
-    print(f"Wrote {', '.join(p.name for p in written)} to {out_dir}", file=sys.stderr)
-    plots = [*PLOT_NAMES, LADDER_PLOT] if rungs else list(PLOT_NAMES)
-    skipped = [] if args.no_plots else [n for n in plots if out_dir / n not in written]
-    if skipped:
-        print(f"Skipped {', '.join(skipped)}: no data to plot", file=sys.stderr)
-    for row in rows:
-        if row.status == "FAILED":
-            print(
-                f"Run {row.run_name} ({row.run_id}) FAILED: its error is in the run's "
-                f"artifact error.txt",
-                file=sys.stderr,
-            )
     return 0

@@ -1,9 +1,10 @@
 """The report's tables as text: CSV, JSON, GitHub markdown and a rich Table, and their files.
 
 One `Layout` per kind of row says which fields become columns and how a cell reads: `RUNS` for
-the main table (`compare.Row`), `LADDER` for the speed-up ladder (`ladder.LadderRow`). CSV and JSON
-carry every field unrounded with blanks/null for missing figures; markdown and the rich table are
-rounded for reading, failed runs stand out.
+the main table (`compare.Row`), `LADDER` for the speed-up ladder (`ladder.LadderRow`), `DIAGNOSIS`
+for where each run's time went (`diagnose.DiagnosisRow`). CSV and JSON carry every field unrounded
+with blanks/null for missing figures; markdown and the rich table are rounded for reading, failed
+runs stand out.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from accelexp.report.compare import Row
+from accelexp.report.diagnose import DiagnosisRow, footnote
 from accelexp.report.ladder import LadderRow
 
 LADDER_NAMES = ("ladder.csv", "ladder.md")
+DIAGNOSIS_NAMES = ("diagnosis.csv", "diagnosis.md")
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,11 @@ class Layout:
     display: Mapping[str, str] = field(default_factory=dict)  # attribute -> format of a number
     numeric: frozenset[str] = frozenset()  # right-aligned
     optional: frozenset[str] = frozenset()  # left out of readable tables when blank in every row
+    missing: str = ""  # what a readable table shows for a missing figure
+    # the rich table only:
+    fold: frozenset[str] = frozenset()  # cells broken anywhere when too narrow, never cut
+    widths: Mapping[str, int] = field(default_factory=dict)  # at most; a longer header wraps
+    compact: bool = False  # no frame or column rules, columns two spaces apart
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -47,7 +55,7 @@ class Layout:
 
     def cell(self, key: str, value: Any) -> str:
         if value is None:
-            return ""
+            return self.missing
         return self.display.get(key, "{}").format(value)
 
 
@@ -115,6 +123,27 @@ LADDER = Layout(
     display=LADDER_DISPLAY,
     numeric=frozenset(LADDER_DISPLAY) | {"rung_index", "vs_previous"},
 )
+DIAGNOSIS_SHARES = {
+    "input_pct": "input %",
+    "compute_pct": "fwd+bwd %",
+    "optimizer_pct": "optim %",
+    "comm_pct": "comm %",
+    "other_pct": "other %",
+    "gpu_busy_pct": "GPU busy %",
+}
+DIAGNOSIS = Layout(
+    row_type=DiagnosisRow,
+    headers={"run_name": "run", "bound": "bound", **DIAGNOSIS_SHARES, "next_override": "next"},
+    display=dict.fromkeys(DIAGNOSIS_SHARES, "{:.1f}"),
+    numeric=frozenset(DIAGNOSIS_SHARES),
+    optional=frozenset({"gpu_busy_pct"}),
+    missing="—",
+    fold=frozenset({"run_name", "bound", "next_override"}),
+    # "100.0" fits; "input %" reads "input" over "%": 100 columns hold the table
+    widths={key: max(5, len(header.split()[0])) for key, header in DIAGNOSIS_SHARES.items()}
+    | {"gpu_busy_pct": len("busy %")},
+    compact=True,
+)
 
 
 # --- text ---------------------------------------------------------------------------------------
@@ -156,14 +185,30 @@ def to_markdown(rows: Sequence[Any], layout: Layout = RUNS) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_table(rows: Sequence[Any], title: str | None = None, layout: Layout = RUNS) -> Any:
-    """A rich Table of the rows (print it with a rich Console)."""
+def render_table(
+    rows: Sequence[Any], title: str | None = None, layout: Layout = RUNS, caption: str | None = None
+) -> Any:
+    """A rich Table of the rows (print it with a rich Console), `caption` under it."""
+    from rich import box
     from rich.table import Table
 
     headers = layout.shown(rows)
-    table = Table(title=title, header_style="bold")
+    compact = {"box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False}
+    table = Table(
+        title=title,
+        caption=caption,
+        caption_justify="left",
+        header_style="bold",
+        collapse_padding=layout.compact,
+        **(compact if layout.compact else {}),
+    )
     for key, header in headers.items():
-        table.add_column(header, justify="right" if key in layout.numeric else "left")
+        table.add_column(
+            header,
+            justify="right" if key in layout.numeric else "left",
+            overflow="fold" if key in layout.fold else "ellipsis",
+            max_width=layout.widths.get(key),
+        )
     for row in rows:
         style = "red" if row.status == "FAILED" else ("yellow" if row.status != "FINISHED" else "")
         cells = (layout.cell(key, getattr(row, key)) for key in headers)
@@ -191,3 +236,18 @@ def write_tables(
         (out_dir / name).write_text(text)
         paths.append(out_dir / name)
     return paths
+
+
+def diagnosis_markdown(rows: Sequence[DiagnosisRow]) -> str:
+    """The diagnosis as a GitHub table, the runs without time accounting named under it."""
+    note = footnote(rows)
+    return to_markdown(rows, DIAGNOSIS) + (f"\n{note}\n" if note else "")
+
+
+def write_diagnosis_tables(rows: Sequence[DiagnosisRow], out_dir: Path) -> list[Path]:
+    """diagnosis.csv and diagnosis.md."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path, markdown_path = (out_dir / name for name in DIAGNOSIS_NAMES)
+    csv_path.write_text(to_csv(rows, DIAGNOSIS))
+    markdown_path.write_text(diagnosis_markdown(rows))
+    return [csv_path, markdown_path]

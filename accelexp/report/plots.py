@@ -1,5 +1,6 @@
 """The report's plots as PNGs (matplotlib, Agg): throughput and scaling efficiency against workers,
-accuracy against time, and the speed-up ladder's bars."""
+accuracy against time, the speed-up ladder's bars, and (with --diagnose) where each run's step time
+went."""
 
 from __future__ import annotations
 
@@ -9,11 +10,21 @@ from pathlib import Path
 from typing import Any
 
 from accelexp.report.compare import Row, setting
+from accelexp.report.diagnose import SEGMENTS, DiagnosisRow
 from accelexp.report.ladder import LadderRow, ladder_subject
 from accelexp.tracking.query import RunRecord
 
 PLOT_NAMES = ("throughput.png", "efficiency.png", "accuracy_vs_time.png")
 LADDER_PLOT = "ladder.png"
+TIME_PLOT = "time_breakdown.png"
+SEGMENT_COLOURS = {  # (bar, label on it): compute in blues, waiting in warm colours
+    "input": ("#f28e2b", "black"),
+    "forward": ("#1f4e99", "white"),
+    "backward": ("#6fa8dc", "black"),
+    "optimizer": ("#59a14f", "black"),
+    "comm": ("#e15759", "black"),
+    "other": ("#bab0ac", "black"),
+}
 VARYING_KEYS = ("speed", "model", "data")  # named in a legend when they differ between runs
 
 
@@ -153,6 +164,52 @@ def plot_ladder(rows: Sequence[LadderRow], path: Path) -> Path | None:
     axes.set_title(f"Speed-up ladder: {ladder_subject(rows)} (labels: gain over fp32)")
     figure.savefig(path, dpi=120)
     return path
+
+
+def plot_time_breakdown(rows: Sequence[DiagnosisRow], subject: str, path: Path) -> Path | None:
+    """One horizontal bar per run (first on top), stacked from the SEGMENTS' shares of its last
+    epoch's step time, labelled with the run and its bound; a run without time accounting has no
+    bar, a note in its place. The legend sits under the axes."""
+    if not any(row.accounted for row in rows):
+        return None
+    figure, axes = _figure((9, 1.6 + 0.55 * len(rows)))
+    positions = list(range(len(rows)))
+    left = [0.0] * len(rows)
+    for segment in SEGMENTS:
+        shares = [getattr(row, f"{segment}_pct") or 0.0 for row in rows]
+        colour, text_colour = SEGMENT_COLOURS[segment]
+        bars = axes.barh(positions, shares, left=left, height=0.6, color=colour, label=segment)
+        labels = [f"{share:.0f}%" if share >= 7 else "" for share in shares]  # when it fits
+        axes.bar_label(bars, labels, label_type="center", color=text_colour, fontsize="small")
+        left = [start + share for start, share in zip(left, shares, strict=True)]
+    for position, row in zip(positions, rows, strict=True):
+        if not row.accounted:
+            axes.text(1, position, "no time accounting", va="center", color="0.4")
+    axes.set_yticks(positions, [_bar_label(row) for row in rows])
+    axes.invert_yaxis()  # the table's first run on top
+    axes.set_xlim(0, 100)
+    axes.set_xlabel("share of the last epoch's timed step time (%)")
+    axes.grid(axis="x", alpha=0.3)
+    axes.set_axisbelow(True)
+    axes.set_title(f"Where the step time went — {subject}")
+    figure.legend(loc="outside lower center", ncols=len(SEGMENTS), frameon=False)
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def _bar_label(row: DiagnosisRow) -> str:
+    """`run name` over `bound: input`, and the status of a run that did not finish."""
+    status = f" ({row.status})" if row.status != "FINISHED" else ""
+    return f"{row.run_name}\nbound: {row.bound or '—'}{status}"
+
+
+def write_time_plot(rows: Sequence[DiagnosisRow], subject: str, out_dir: Path) -> list[Path]:
+    """TIME_PLOT in `out_dir` when a run has time accounting; else no file (nor an older one)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = plot_time_breakdown(rows, subject, out_dir / TIME_PLOT)
+    if path is None:
+        (out_dir / TIME_PLOT).unlink(missing_ok=True)
+    return [path] if path is not None else []
 
 
 def write_plots(

@@ -1,0 +1,115 @@
+"""Where each run's step time went, and what bounds it: one `DiagnosisRow` per run.
+
+Every run logs, per epoch, the seconds of its timed training steps spent in each `SEGMENTS` part —
+`time/input_s`, `time/forward_s`, `time/backward_s`, `time/optimizer_s`, `time/comm_s` (the
+communication the host waited for) and `time/other_s` — which sum to the epoch's timed wall time;
+at its end, the tags `diagnosis` (the bounding resource), `diagnosis_next` (the first override to
+try) and `diagnosis_detail` (the evidence). A row gives each part's share of the last epoch's
+timed time in percent, with the GPU's busy share, the communication hidden behind compute and the
+FLOP utilisation when the run logged them.
+
+A run without the time metrics (it predates the accounting, or stopped before its first epoch)
+keeps its row with blank figures and `NO_ACCOUNTING` as its note. Rows come in the main table's
+order (`compare`). Pure: records in, rows out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from accelexp.report.compare import compare
+from accelexp.tracking.query import RunRecord
+
+SEGMENTS = ("input", "forward", "backward", "optimizer", "comm", "other")  # time/<segment>_s
+OPTIONAL_SEGMENTS = frozenset({"comm"})  # 0 when not logged (a single process never waits on one)
+NO_ACCOUNTING = "no time/* metrics: predates the time accounting, or stopped before an epoch ended"
+
+
+@dataclass
+class DiagnosisRow:
+    """One run's verdict and time shares (percent of the last epoch's timed step time)."""
+
+    run_name: str
+    run_id: str
+    status: str
+    bound: str | None = None  # input, overhead, compute, communication or memory
+    next_override: str | None = None
+    detail: str | None = None
+    step_time_s: float | None = None  # the last epoch's timed seconds (one rank, rank-averaged)
+    input_pct: float | None = None
+    forward_pct: float | None = None
+    backward_pct: float | None = None
+    compute_pct: float | None = None  # forward + backward
+    optimizer_pct: float | None = None
+    comm_pct: float | None = None
+    other_pct: float | None = None
+    gpu_busy_pct: float | None = None
+    comm_overlap_pct: float | None = None
+    flop_utilisation_pct: float | None = None
+    note: str | None = None
+
+    @property
+    def accounted(self) -> bool:
+        return self.step_time_s is not None
+
+
+DIAGNOSIS_COLUMNS = tuple(f.name for f in fields(DiagnosisRow))
+
+
+def segment_seconds(record: RunRecord) -> dict[str, float] | None:
+    """Seconds per segment in the run's last epoch (the metrics' values at their last step), or
+    None when the run logged no time accounting."""
+    last = record.metrics  # MLflow keeps each metric's value at its highest step: the last epoch
+    if any(f"time/{s}_s" not in last for s in SEGMENTS if s not in OPTIONAL_SEGMENTS):
+        return None
+    seconds = {s: last.get(f"time/{s}_s", 0.0) for s in SEGMENTS}
+    return seconds if sum(seconds.values()) > 0 else None
+
+
+def _percent(record: RunRecord, key: str) -> float | None:
+    """A fraction-valued metric (0..1) in percent, None when not logged."""
+    value = record.metrics.get(key)
+    return None if value is None else 100 * value
+
+
+def diagnosis_row(record: RunRecord) -> DiagnosisRow:
+    row = DiagnosisRow(
+        run_name=record.name,
+        run_id=record.run_id,
+        status=record.status,
+        bound=record.tags.get("diagnosis") or None,
+        next_override=record.tags.get("diagnosis_next") or None,
+        detail=record.tags.get("diagnosis_detail") or None,
+    )
+    seconds = segment_seconds(record)
+    if seconds is None:
+        row.note = NO_ACCOUNTING
+        return row
+    total = sum(seconds.values())
+    for segment, value in seconds.items():
+        setattr(row, f"{segment}_pct", 100 * value / total)
+    row.step_time_s = total
+    row.compute_pct = 100 * (seconds["forward"] + seconds["backward"]) / total
+    row.gpu_busy_pct = _percent(record, "time/gpu_busy")
+    row.comm_overlap_pct = _percent(record, "time/comm_overlap")
+    row.flop_utilisation_pct = _percent(record, "flop_utilisation")
+    return row
+
+
+def diagnose(records: Sequence[RunRecord]) -> list[DiagnosisRow]:
+    """One row per run, in the order of the main table (parallelism, workers, precision, ...)."""
+    order = {row.run_id: i for i, row in enumerate(compare(records, strict=False))}
+    return sorted(map(diagnosis_row, records), key=lambda row: order[row.run_id])
+
+
+def footnote(rows: Sequence[DiagnosisRow]) -> str | None:
+    """The line under a readable table naming the runs without time accounting, if any."""
+    missing = [row.run_name for row in rows if not row.accounted]
+    if not missing:
+        return None
+    return (
+        f"— no time/* metrics for {', '.join(missing)}: "
+        f"{'it predates' if len(missing) == 1 else 'they predate'} the time accounting "
+        f"(or stopped before an epoch ended)."
+    )
