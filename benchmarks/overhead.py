@@ -5,7 +5,10 @@ batch size, threads and precision, in this one process. They alternate (A B A B 
 machine's noise falls on both alike; each side's median over the repeats is reported, in wall
 time and in process CPU time, with the ratio accelexp / plain (target: <= 1.03). The loader-only
 line is accelexp's data path alone (gather, augment, normalise), to show data is not the
-bottleneck.
+bottleneck. The `unaccounted` side is accelexp's epoch with its time accounting switched off
+(`accelexp.diagnosis.accounting.StepClock` replaced by one that does nothing): the ratio
+accelexp / unaccounted is what the always-on accounting costs (target: <= 1.01); the accounting's
+cost per step is also timed on its own, against the median step.
 
     python benchmarks/overhead.py                    # fp32 and amp, simple_cnn, synthetic data
     python benchmarks/overhead.py --repeats 7 --steps 60 --precisions fp32
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,7 @@ from torch.utils.data import RandomSampler
 
 from accelexp.config import register_configs
 from accelexp.data import BatchLoader, build_data, resolve_on_device
+from accelexp.diagnosis.accounting import Breakdown, StepClock
 from accelexp.engine import Trainer
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
@@ -79,9 +84,36 @@ def main() -> None:
         f"model={args.model} batch={args.batch_size} steps={args.steps} threads={args.threads} "
         f"device={device} repeats={args.repeats} (medians; ratio = accelexp / plain)"
     )
-    print(f"{'precision':<10}{'side':<10}{'wall s':>9}{'cpu s':>9}{'samples/s':>11}")
+    print(f"{'precision':<10}{'side':<12}{'wall s':>9}{'cpu s':>9}{'samples/s':>11}")
     for name in args.precisions.split(","):
         compare(Precision(name, device), args, cfg, data, strategy, fresh, images, labels)
+
+
+class NoClock:
+    """A StepClock that accounts nothing: accelexp's loop as it was before the accounting."""
+
+    def start(self) -> None:
+        pass
+
+    def mark(self, phase: int) -> None:
+        pass
+
+    def stop(self, comm=None) -> Breakdown:
+        return Breakdown()
+
+
+def accounting_seconds_per_step(device: torch.device, steps: int = 20000) -> float:
+    """One step's accounting (five phase marks) timed on its own: the best of 5 runs."""
+    clock, best = StepClock(device), float("inf")
+    for _ in range(5):
+        clock.start()
+        start = time.perf_counter()
+        for _ in range(steps):
+            for phase in range(5):
+                clock.mark(phase)
+        best = min(best, (time.perf_counter() - start) / steps)
+    clock.stop()
+    return best
 
 
 def compare(precision, args, cfg, data, strategy, fresh, images, labels) -> None:
@@ -93,10 +125,12 @@ def compare(precision, args, cfg, data, strategy, fresh, images, labels) -> None
         on_device=resolve_on_device(cfg.data.on_device, device, data.nbytes),  # as run.py does
     )  # fmt: skip
 
-    def accelexp_epoch():
+    def accelexp_epoch(accounting: bool = True):
         model, optimizer = fresh()
         scheduler = build_scheduler(cfg.scheduler, optimizer, args.steps, 1)
         trainer = Trainer(model, optimizer, scheduler, precision, strategy, args.steps, 20, False)
+        if not accounting:
+            trainer.clock = NoClock()
         trainer.train_epoch(loader, epoch=1)
 
     def plain_epoch():
@@ -116,11 +150,12 @@ def compare(precision, args, cfg, data, strategy, fresh, images, labels) -> None
             pass
 
     accelexp_epoch(), plain_epoch()  # warm-up: allocator, autocast caches, kernels
-    times = {"accelexp": [], "plain": [], "loader": []}
+    times = {"accelexp": [], "plain": [], "loader": [], "unaccounted": []}
     for _ in range(args.repeats):
         times["accelexp"].append(timed(accelexp_epoch))
         times["plain"].append(timed(plain_epoch))
         times["loader"].append(timed(loader_only))
+        times["unaccounted"].append(timed(lambda: accelexp_epoch(accounting=False)))
     samples = args.steps * args.batch_size
     medians = {}
     for side, runs in times.items():
@@ -129,9 +164,17 @@ def compare(precision, args, cfg, data, strategy, fresh, images, labels) -> None
             statistics.median(c for _, c in runs),
         )
         wall, cpu = medians[side]
-        print(f"{precision.name:<10}{side:<10}{wall:>9.3f}{cpu:>9.3f}{samples / wall:>11.0f}")
+        print(f"{precision.name:<10}{side:<12}{wall:>9.3f}{cpu:>9.3f}{samples / wall:>11.0f}")
     (aw, ac), (pw, pc) = medians["accelexp"], medians["plain"]
-    print(f"{precision.name:<10}{'ratio':<10}{aw / pw:>9.3f}{ac / pc:>9.3f}   <- target <= 1.03")
+    print(f"{precision.name:<10}{'ratio':<12}{aw / pw:>9.3f}{ac / pc:>9.3f}   <- target <= 1.03")
+    uw, uc = medians["unaccounted"]
+    print(f"{precision.name:<10}{'accounting':<12}{aw / uw:>9.3f}{ac / uc:>9.3f}   <- accelexp / "
+          f"unaccounted, target <= 1.01")  # fmt: skip
+    per_step, step = accounting_seconds_per_step(device), aw / args.steps
+    print(
+        f"{precision.name:<10}accounting alone: {per_step * 1e6:.2f} us per step = "
+        f"{100 * per_step / step:.4f}% of the median step ({step * 1e3:.1f} ms)"
+    )
 
 
 if __name__ == "__main__":

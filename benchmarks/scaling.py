@@ -5,7 +5,9 @@ threads=1 ...` (so the real launchers start the workers), tracked in a throwaway
 A job's throughput is the median `samples_per_s` over its epochs after the first (warm-up); the
 configurations alternate within each repeat, and the report gives medians over the repeats:
 img/s per worker, total img/s, and weak-scaling efficiency = total(N) / (N x total(1)), with the
-jobs' CPU time (children's user+sys, start-up included) beside their wall time.
+jobs' CPU time (children's user+sys, start-up included) beside their wall time. A second table
+says where a step's time went (accelexp's time accounting, `time/*`: ms per step, medians over
+the epochs after the first and over the repeats) and each job's diagnosis.
 
     python benchmarks/scaling.py                    # ddp and horovod, 1 and 2 workers, 5 repeats
     python benchmarks/scaling.py --strategies ddp --nprocs 1,2,4 --repeats 7
@@ -27,6 +29,7 @@ from pathlib import Path
 from mlflow import MlflowClient
 
 REPO = Path(__file__).resolve().parents[1]
+PARTS = ("input", "forward", "backward", "optimizer", "comm", "other")
 
 
 def run_job(strategy: str, nprocs: int, args: argparse.Namespace, store: Path, tag: str) -> dict:
@@ -50,9 +53,20 @@ def run_job(strategy: str, nprocs: int, args: argparse.Namespace, store: Path, t
         [client.get_experiment_by_name("accelexp").experiment_id],
         filter_string=f"attributes.run_name = '{tag}'",
     )[0]
-    history = client.get_metric_history(run.info.run_id, "samples_per_s")
-    per_epoch = [m.value for m in sorted(history, key=lambda m: m.step)][1:]  # drop the warm-up
-    return {"samples_per_s": statistics.median(per_epoch), "wall_s": wall, "cpu_s": cpu}
+
+    def after_warmup(metric: str) -> float:
+        history = client.get_metric_history(run.info.run_id, metric)
+        per_epoch = [m.value for m in sorted(history, key=lambda m: m.step)][1:]  # no warm-up
+        return statistics.median(per_epoch)
+
+    step_ms = {part: 1e3 * after_warmup(f"time/{part}_s") / args.steps for part in PARTS}
+    return {
+        "samples_per_s": after_warmup("samples_per_s"),
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "step_ms": step_ms,
+        "diagnosis": run.data.tags.get("diagnosis", "?"),
+    }
 
 
 def main() -> None:
@@ -98,6 +112,17 @@ def main() -> None:
                 f"{statistics.median(r['wall_s'] for r in runs):>12.1f}"
                 f"{statistics.median(r['cpu_s'] for r in runs):>11.1f}"
             )
+    print("\nWhere a step's time went (ms per step, mean over ranks; medians):")
+    print(f"{'strategy':<9}{'workers':>8}" + "".join(f"{p:>10}" for p in (*PARTS, "step"))
+          + "  diagnosis")  # fmt: skip
+    for strategy, n in configs:
+        runs = results[strategy, n]
+        ms = {p: statistics.median(r["step_ms"][p] for r in runs) for p in PARTS}
+        verdicts = sorted({r["diagnosis"] for r in runs})
+        print(
+            f"{strategy:<9}{n:>8}" + "".join(f"{ms[p]:>10.2f}" for p in PARTS)
+            + f"{sum(ms.values()):>10.2f}  {','.join(verdicts)}"
+        )  # fmt: skip
 
 
 if __name__ == "__main__":
