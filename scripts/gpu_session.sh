@@ -25,7 +25,16 @@
 #          with its table. Planned in full (~5 min) it needs a session of its own.
 # The ladder runs 12 steps per epoch (3072 images), not 30: each of its 6 jobs generates its
 # synthetic set on the host, and at 224 px that costs seconds per thousand images.
-# Environment: OUT (default outputs/gpu_session), PYTHON (default python3), SESSION_S, DRY_RUN.
+#
+# PLAN=diagnosis (issue 11's checks, a session of their own) runs instead: ResNet-50 at 32 px,
+# batch 128 with profile=true (expected: overhead-bound, the GPU kept waiting by launches; HTA's
+# figures), the same with the override it suggests (speed.compile=reduce-overhead), and 224 px
+# with the data forced to stay on the host (expected: input-bound); then
+# `accelexp-report --diagnose` of the three (diagnosis.md). HTA needs three more wheels in .whl:
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux2014_x86_64 -d .whl HolisticTraceAnalysis==0.5.0 plotly narwhals
+# Environment: OUT (default outputs/gpu_session), PYTHON (default python3), SESSION_S, DRY_RUN,
+# PLAN (speed | diagnosis).
 set -uo pipefail # no -e: one failed step must not stop the others
 export PYTHONUNBUFFERED=1 GIT_PYTHON_REFRESH=quiet
 cd "$(dirname "$0")/.."
@@ -80,6 +89,28 @@ step versions session.log 60 "$PY" -c "import torch, hydra, omegaconf, mlflow
 print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'cuDNN', torch.backends.cudnn.version())
 print('GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 print('hydra', hydra.__version__, 'omegaconf', omegaconf.__version__, 'mlflow', mlflow.__version__)"
+
+if [[ ${PLAN:-speed} == diagnosis ]]; then
+    DIAG_URI="sqlite:///$WORK/diagnosis.db"
+    common=(model=resnet50 data=synthetic epochs=2 data.val_fraction=0 data.num_test=256
+        progress=false mlflow.experiment=diagnosis "mlflow.tracking_uri=$DIAG_URI")
+    small=(data.image_size=32 data.batch_size=128 data.num_train=7680 max_steps_per_epoch=60)
+    step launch_bound diagnosis.log 120 "$PY" run.py "${common[@]}" "${small[@]}" profile=true \
+        mlflow.run_name=resnet50-32px-eager "hydra.run.dir=$WORK/eager"
+    step graphs diagnosis.log 150 "$PY" run.py "${common[@]}" "${small[@]}" \
+        speed.compile=reduce-overhead mlflow.run_name=resnet50-32px-cudagraphs \
+        "hydra.run.dir=$WORK/graphs"
+    step input_bound diagnosis.log 120 "$PY" run.py "${common[@]}" data.image_size=224 \
+        data.batch_size=256 data.num_train=3072 max_steps_per_epoch=12 data.on_device=false \
+        mlflow.run_name=resnet50-224px-host-data "hydra.run.dir=$WORK/host"
+    step diagnose diagnosis.log 60 "$PY" -m accelexp.report --experiment diagnosis --diagnose \
+        --tracking-uri "$DIAG_URI" --format markdown --output-dir "$WORK/report"
+    cp "$WORK/report/diagnosis.md" "$WORK/report/time_breakdown.png" "$OUT/" 2>/dev/null
+    [[ -n $DRY_RUN ]] && rm -rf "$WORK"
+    log "done in ${SECONDS}s; failed or skipped: ${FAILED[*]:-none}"
+    ((${#FAILED[@]} == 0))
+    exit
+fi
 
 step gpu_check gpu_check.log 170 "$PY" scripts/gpu_check.py --json "$OUT/gpu_check.json"
 
