@@ -28,6 +28,7 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    from accelexp.config.validate import check_one_job_of_a_study
     from accelexp.launch import launch  # torch loads after Hydra has parsed the command line
     from accelexp.parallel.world import current_world
     from accelexp.tracking import credentials
@@ -45,6 +46,8 @@ def main(cfg: DictConfig) -> float | None:
     # a reused run folder: the run recorded there is another job's, never this one's to close
     (Path(output_dir) / RUN_ID_FILE).unlink(missing_ok=True)
     try:
+        if not in_sweep:
+            check_one_job_of_a_study(hydra_cfg.sweeper.get("params") or {}, overrides)
         return launch(cfg, output_dir, overrides)["test_acc"]
     except KeyboardInterrupt as error:
         stop = signals.interruption(error)

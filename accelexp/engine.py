@@ -3,7 +3,9 @@
 `Trainer` sees a `Strategy` (where the work runs, how ranks agree), a `Precision` (autocast and
 loss scaling) and a plain optimizer and scheduler. Per-step work is the forward pass, backward
 pass, optimizer and scheduler step and two on-device additions for the epoch's loss and accuracy;
-the host reads numbers back only every `log_every` steps for the progress bar, and at the end of
+the host reads numbers back only every `log_every` steps for the progress bar (on a terminal; a
+plain line at most every `LINE_EVERY_S` seconds when the output is piped, e.g. a Slurm log, so no
+`\r` frames land in it), and at the end of
 the epoch, once, summed over all ranks.
 
 With a compiled model the first `warmup_steps` steps of the first epoch compile it: they are
@@ -17,7 +19,9 @@ ranks (`accelexp.diagnosis.accounting`). A `profiler` (`profile=true`) is steppe
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -39,6 +43,9 @@ from accelexp.diagnosis.accounting import (
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
+
+log = logging.getLogger(__name__)
+LINE_EVERY_S = 10.0  # the least time between two progress lines of piped output
 
 
 @dataclass
@@ -117,6 +124,7 @@ class Trainer:
         self.max_steps = max_steps_per_epoch
         self.log_every = log_every
         self.progress = progress and strategy.is_main
+        self.bar = self.progress and sys.stderr.isatty()  # piped: plain lines instead
         self.warmup_steps = warmup_steps  # of the next epoch trained, then 0
         self.clock = StepClock(self.device)
         self.profiler = None  # a StepProfiler (profile=true), stepped after each step
@@ -144,13 +152,13 @@ class Trainer:
         bar = tqdm(
             total=steps,
             desc=f"epoch {epoch}",
-            disable=not self.progress,
+            disable=not self.bar,
             leave=False,
             mininterval=0.5,
         )
         clock, profiler = self.clock, self.profiler
         synchronize(self.device)
-        start = time.perf_counter()
+        start = last_line = time.perf_counter()
         clock.start()
         for step, (images, labels) in enumerate(loader):
             if step == steps:
@@ -182,13 +190,20 @@ class Trainer:
                 self.strategy.take_comm_time()  # the compile steps' communication is not timed
                 clock.start()
             elif self.progress and (step + 1) % self.log_every == 0:
-                elapsed = time.perf_counter() - start
-                bar.set_postfix(
-                    loss=f"{loss_sum.item() / seen:.4f}",
-                    acc=f"{correct.item() / seen:.4f}",
-                    img_s=f"{(seen - timed_from) * self.strategy.replicas / elapsed:.0f}",
-                    refresh=False,
-                )
+                now = time.perf_counter()
+                figures = {
+                    "loss": f"{loss_sum.item() / seen:.4f}",
+                    "acc": f"{correct.item() / seen:.4f}",
+                    "img_s": f"{(seen - timed_from) * self.strategy.replicas / (now - start):.0f}",
+                }
+                if self.bar:
+                    bar.set_postfix(figures, refresh=False)
+                elif now - last_line >= LINE_EVERY_S:
+                    last_line = now
+                    log.info(
+                        "epoch %d step %d/%d  %s", epoch, step + 1, steps,
+                        "  ".join(f"{k} {v}" for k, v in figures.items()),
+                    )  # fmt: skip
             clock.mark(OTHER)
         synchronize(self.device)
         seconds = time.perf_counter() - start

@@ -49,6 +49,40 @@ def test_unknown_key(tmp_path):
     assert "model.foo" in text
 
 
+def test_a_sweep_study_without_m_says_to_use_m(tmp_path):
+    text = assert_clean_failure(run_cli("+experiment=amp_vs_fp32", tmp_path=tmp_path))
+    assert "This study is a sweep (precision=fp32,amp,bf16): run it with -m" in text
+    assert "python run.py -m +experiment=amp_vs_fp32" in text
+    assert not (tmp_path / "job" / "checkpoints").exists()  # nothing trained
+
+
+def test_one_job_of_a_study_picks_every_swept_key(tmp_path):
+    from accelexp.config.validate import ConfigError, check_one_job_of_a_study
+
+    sweep = {"+rung": "fp32,tf32,amp"}
+    check_one_job_of_a_study(sweep, ["+experiment=speedups", "+rung=amp"])  # on purpose: fine
+    with pytest.raises(ConfigError, match=r"e\.g\. \+rung=fp32"):
+        check_one_job_of_a_study(sweep, ["+experiment=speedups"])
+
+
+def test_the_hint_names_the_key_that_failed(tmp_path):
+    text = assert_clean_failure(run_cli("data.batch_size=0", tmp_path=tmp_path))
+    assert "e.g. `python run.py data.batch_size=...`" in text
+
+
+def test_piped_output_has_no_progress_bar_frames(tmp_path):
+    """A Slurm log or `| cat`: no tqdm `\r` frames glued onto the log lines."""
+    result = run_cli(
+        "data=synthetic", "data.num_train=512", "data.image_size=16", "data.batch_size=16",
+        "epochs=1", "progress=true", "log_every_n_steps=1",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db", tmp_path=tmp_path,
+    )  # fmt: skip
+    text = output_of(result)
+    assert result.returncode == 0, text
+    assert "epoch 1/1  train_loss" in text
+    assert "\r" not in text and "it/s]" not in text
+
+
 def test_unknown_group_option_lists_the_available_ones(tmp_path):
     text = assert_clean_failure(run_cli("model=foo", tmp_path=tmp_path))
     assert "model/foo" in text or "model=foo" in text

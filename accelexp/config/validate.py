@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 from urllib.parse import urlparse
@@ -208,9 +208,32 @@ def validate(cfg: DictConfig) -> None:
     if problems:
         raise ConfigError(
             "Invalid configuration:\n" + "\n".join(problems) + "\n"
-            "Fix the override(s) above, e.g. `python run.py data.batch_size=128`; "
+            f"Fix the override(s) above{_example_fix(problems[0])}; "
             "`python run.py --cfg job` prints the composed config."
         )
+
+
+def check_one_job_of_a_study(sweep: Mapping[str, str], overrides: Sequence[str]) -> None:
+    """A study that sweeps (`hydra.sweeper.params` of an experiment file) started without `-m`:
+    Hydra would run one job with none of its values. Fine when the command line picks a value
+    of every swept key (one job of the study, on purpose); a `ConfigError` otherwise."""
+    picked = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    missing = [key for key in sweep if key.lstrip("+~") not in picked]
+    if not missing:
+        return
+    grid = " ".join(f"{key}={values}" for key, values in sweep.items())
+    example = missing[0] + "=" + str(sweep[missing[0]]).split(",")[0]
+    raise ConfigError(
+        f"This study is a sweep ({grid}): run it with -m, e.g. `python run.py -m "
+        f"{' '.join(overrides)}`, or pick one value of each swept key for a single job "
+        f"(e.g. {example})."
+    )
+
+
+def _example_fix(problem: str) -> str:
+    """ ", e.g. `python run.py KEY=...`" for a problem with the value of KEY, else nothing."""
+    match = re.match(r"\s*([\w.]+)=", problem)
+    return f", e.g. `python run.py {match.group(1)}=...`" if match else ""
 
 
 def _pipeline_problems(parallelism: DictConfig, batch_size: int) -> list[str]:
