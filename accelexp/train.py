@@ -238,6 +238,13 @@ def _run(
     if tracker.run_id:  # a failure later on is recorded on this run (tracking.record_failure)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RUN_ID_FILE).write_text(tracker.run_id)
+    if strategy.is_main:
+        world = strategy.shape
+        log.info(
+            "Training %s on %s: %d process(es), %d replica(s) x %d device(s) each; output in %s",
+            name, strategy.device, world.world_size, world.replicas,
+            world.devices_per_replica, output_dir.resolve(),
+        )  # fmt: skip
     fit = Fit(cfg, output_dir, trainer, tracker, generator, resolved, diagnosis, profiler)
     try:
         if state is None:
@@ -417,6 +424,13 @@ class Fit:
                 progress.best_val_acc,
                 test_acc,
             )
+            target = ""
+            if progress.time_to_target_s is not None:
+                target = (
+                    f", val_acc {cfg.target_accuracy:g} reached after "
+                    f"{progress.time_to_target_s:.1f} s"
+                )
+            log.info("Trained in %.1f s%s; best checkpoint %s", total_s, target, best.resolve())
             if cfg.mlflow.log_checkpoint:
                 self.tracker.log_artifact(best, "checkpoints")
         return {k: v for k, v in final.items() if v is not None}

@@ -81,6 +81,11 @@ def test_piped_output_has_no_progress_bar_frames(tmp_path):
     assert result.returncode == 0, text
     assert "epoch 1/1  train_loss" in text
     assert "\r" not in text and "it/s]" not in text
+    # one line each at the start and the end: where it runs and writes, what it took, the weights
+    assert "Training simple_cnn-single-fp32 on cpu: 1 process(es)" in text
+    assert f"output in {tmp_path / 'job'}" in text
+    assert f"best checkpoint {tmp_path / 'job' / 'checkpoints' / 'best.pt'}" in text
+    assert "Trained in " in text
 
 
 def test_unknown_group_option_lists_the_available_ones(tmp_path):
