@@ -193,8 +193,7 @@ def test_each_ranks_trace_lands_under_its_rank(compose_cfg, tmp_path):
 def test_what_hta_makes_of_a_cpu_trace(profiled):
     """Why HTA is not run on a CPU: it reads the trace, but every analysis needs GPU kernels.
     (HTA 0.5.0: the temporal breakdown fails, the launch statistics are empty.)"""
-    pytest.importorskip("hta.trace_analysis")
-    from hta.trace_analysis import TraceAnalysis
+    from hta.trace_analysis import TraceAnalysis  # installed by scripts/setup.sh
 
     _, _, _, out = profiled
     analysis = TraceAnalysis(trace_dir=str(out / "traces"))
@@ -208,7 +207,6 @@ def test_what_hta_makes_of_a_cpu_trace(profiled):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_hta_figures_are_logged(compose_cfg, tmp_path):
-    pytest.importorskip("hta.trace_analysis")
     cfg = compose_cfg("profile=true", *SCHEDULE, "profiler.active=3")
     tracker = started_tracker(cfg)
     profiler = StepProfiler(cfg, tmp_path / "out", rank=0, device=torch.device("cuda"))

@@ -92,28 +92,15 @@ class Breakdown:
     def to_tensor(self, device: torch.device) -> torch.Tensor:
         """Every field (None as NaN), for averaging over ranks in one collective."""
         values = [getattr(self, f.name) for f in fields(self)]
-        return torch.tensor([math_nan(v) for v in values], dtype=torch.float64, device=device)
+        nan = float("nan")
+        return torch.tensor(
+            [nan if v is None else float(v) for v in values], dtype=torch.float64, device=device
+        )
 
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor) -> Breakdown:
         values = [None if v != v else v for v in tensor.tolist()]  # NaN: not known
         return cls(**{f.name: v for f, v in zip(fields(cls), values, strict=True)})
-
-    @classmethod
-    def from_metrics(cls, metrics: dict[str, float]) -> Breakdown | None:
-        """The breakdown of logged `time/*` metrics; None for runs that predate them."""
-        if "time/input_s" not in metrics:
-            return None
-        parts = {p: metrics.get(f"time/{p}_s", 0.0) for p in cls.PARTS}
-        return cls(
-            **parts,
-            comm_inflight=metrics.get("time/comm_inflight_s"),
-            gpu_busy=metrics.get("time/gpu_busy"),
-        )
-
-
-def math_nan(value: float | None) -> float:
-    return float("nan") if value is None else float(value)
 
 
 class _GpuMarks:
