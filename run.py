@@ -20,10 +20,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from accelexp import callbacks, signals, startup
 from accelexp.config import register_configs
+from accelexp.config.help import register_help
 from accelexp.errors import AccelexpError
 
 log = logging.getLogger("accelexp")
 register_configs()
+register_help()  # the groups, options and keys `--help` lists
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

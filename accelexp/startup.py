@@ -22,7 +22,7 @@ def run_main(main: Callable[[], object]) -> int:
     from hydra.errors import CompactHydraException
     from omegaconf.errors import InterpolationResolutionError
 
-    from accelexp.config.validate import unresolved_reason
+    from accelexp.config.validate import misplaced_key, unresolved_reason
 
     signals.install()
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
@@ -43,7 +43,10 @@ def run_main(main: Callable[[], object]) -> int:
         if full_error:
             raise
         if isinstance(error, CompactHydraException):  # Hydra's own message, printed as it does
-            print(*(part for part in (error, error.__cause__) if part), sep="\n", file=sys.stderr)
+            key = getattr(error.__cause__, "full_key", None)  # unless the key is in a sibling
+            hint = misplaced_key(key) if key else ""  # option: "+key" would not help then
+            parts = (hint,) if hint else (error, error.__cause__)
+            print(*(part for part in parts if part), sep="\n", file=sys.stderr)
             return 1
         if isinstance(error, OSError):
             message = (

@@ -24,7 +24,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 from mlflow.entities import Run
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from accelexp.config import register_configs
 
@@ -59,12 +59,6 @@ def group_options() -> list[tuple[str, str]]:
         if group.is_dir()
         for option in group.glob("*.yaml")
     )
-
-
-def primary_groups() -> list[str]:
-    """The groups `conf/config.yaml` chooses an option of by default (model, data, ...)."""
-    defaults = OmegaConf.load(CONF_DIR / "config.yaml").defaults
-    return [next(iter(entry)) for entry in defaults if isinstance(entry, DictConfig)]
 
 
 def _key(override: str) -> str:

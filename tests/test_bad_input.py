@@ -37,6 +37,7 @@ TINY = {
     "progress": "false",
     "threads": "1",
 }
+RUN_KEYS = ("epochs", "max_steps_per_epoch", "data.batch_size", "progress", "threads")
 UNSET = "ACCELEXP_TEST_SURELY_UNSET_VARIABLE"
 HUGE = "1000000000000"
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="valid where there is a GPU")
@@ -86,7 +87,8 @@ CASES = [
     # --- data ------------------------------------------------------------------------------
     case("data.name=foo", "data.name"),
     case("data=fashion_mnist data.root=/nonexistent", "/nonexistent"),
-    case(f"data.root=${{oc.env:{UNSET}}}", UNSET),
+    case(f"data=fashion_mnist data.root=${{oc.env:{UNSET}}}", UNSET),
+    case("data.root=/tmp", "data.root applies only to"),  # synthetic reads no files
     case("data.batch_size=1000000000", "data.batch_size"),
     case("data.eval_batch_size=-1", "data.eval_batch_size"),
     case("data.num_workers=-1", "data.num_workers"),
@@ -148,12 +150,14 @@ CASES = [
 
 
 def command(overrides: list[str], tmp_path: Path, tracking_uri: str) -> list[str]:
-    """Flags first, then the tiny run's settings the case does not set, then the case's."""
+    """Flags first, then the tiny run's settings the case does not set, then the case's (the
+    synthetic set's sizes only when the case does not pick its own data)."""
     keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     flags = [o for o in overrides if o.startswith("-")]
     given = [o for o in overrides if not o.startswith("-")]
+    tiny = TINY if "data" not in keys else {k: v for k, v in TINY.items() if k in RUN_KEYS}
     defaults = {
-        **TINY,
+        **tiny,
         "mlflow.tracking_uri": tracking_uri,
         "hydra.run.dir": str(tmp_path / "job"),
         "hydra.sweep.dir": str(tmp_path / "sweep"),

@@ -9,9 +9,16 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import group_options, new_store, output_of, primary_groups, run_cli
+from conftest import CONF_DIR, group_options, new_store, output_of, run_cli
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 
+from accelexp.config import register_configs
+from accelexp.config.catalog import flatten, primary_groups
 from accelexp.parallel.world import free_port
+
+ADD_ON_GROUPS = ("experiment", "rung")  # `+GROUP=OPTION`: they set keys of the other groups
 
 
 def assert_clean_failure(result: subprocess.CompletedProcess) -> str:
@@ -30,23 +37,108 @@ def help_text() -> str:
     return text
 
 
-def test_help_lists_every_group_and_option(help_text):
-    for group in primary_groups():
-        assert f"{group}:" in help_text, f"--help does not list the group {group}"
-        for option in (o for g, o in group_options() if g == group):
-            assert option in help_text, f"--help does not list {group}={option}"
+def option_block(help_text: str, heading: str, label: str) -> str:
+    """The lines `--help` gives one option: `  *label  keys...` and the lines under it."""
+    section = help_text.split(f"\n{heading}", 1)[1].split("\n\n", 1)[0].splitlines()
+    start = next(i for i, line in enumerate(section) if line[3:].split(" ")[0] == label)
+    block = [section[start]]
+    for line in section[start + 1 :]:
+        if len(line) - len(line.lstrip()) <= 3:  # the next option
+            break
+        block.append(line)
+    return "\n".join(block)
 
 
-def test_help_lists_the_add_on_groups_too(help_text):
-    """conf/experiment/ and any other group outside the defaults list (`+experiment=...`)."""
-    for group, option in group_options():
-        if group not in primary_groups():
-            assert option in help_text, f"--help does not list +{group}={option}"
+def typed_values(words: str) -> dict[str, object]:
+    """`a=1 b=[2,3] c=null` read back the way Hydra reads a command line."""
+    parser = OverridesParser.create()
+    pairs = (parser.parse_override(word.lstrip("*")) for word in words.split() if "=" in word)
+    return {pair.key_or_group: pair.value() for pair in pairs}
+
+
+def file_options() -> list[tuple[str, str]]:
+    """Every `conf/<group>/<option>.yaml`, nested groups (hydra/launcher) too."""
+    return sorted(
+        (path.parent.relative_to(CONF_DIR).as_posix(), path.stem)
+        for path in CONF_DIR.rglob("*.yaml")
+        if path.parent != CONF_DIR
+    )
+
+
+def test_help_lists_every_option_file(help_text):
+    for group, option in file_options():
+        assert f"\n{group}:" in help_text, f"--help does not list the group {group}"
+        label = option if group in ADD_ON_GROUPS else f"{group}={option}"
+        assert option_block(help_text, f"{group}:", label), f"--help lacks {group}={option}"
+
+
+@pytest.mark.parametrize(
+    ("group", "option"), [o for o in group_options() if o[0] in primary_groups()]
+)
+def test_help_shows_each_option_with_the_keys_it_composes(help_text, group, option):
+    """Every key and default `group=option` really composes to, typable as shown; no others."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        composed = OmegaConf.to_container(compose("config", overrides=[f"{group}={option}"])[group])
+    composed.pop("name")
+    shown = typed_values(option_block(help_text, f"{group}:", f"{group}={option}"))
+    shown.pop(group)  # the option's own label, group=option
+    assert shown == composed
+
+
+@pytest.mark.parametrize(("group", "option"), [o for o in file_options() if o[0] in ADD_ON_GROUPS])
+def test_help_shows_what_each_study_sets_and_sweeps(help_text, group, option):
+    body = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{option}.yaml"))
+    picks = {
+        k.removeprefix("override /"): v for d in body.pop("defaults", []) for k, v in d.items()
+    }
+    sweeps = body.pop("hydra", {}).get("sweeper", {}).get("params", {})
+    block = option_block(help_text, f"{group}:", option)
+    shown = typed_values(block.split(" sets ", 1)[1].split(" sweeps ", 1)[0])
+    assert shown == picks | flatten(body)
+    for key, values in sweeps.items():
+        assert f"{key}={values}" in block.split(" sweeps ", 1)[1]
+
+
+def test_help_shows_the_top_level_keys_without_the_test_hooks(help_text):
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose("config"))
+    expected = flatten({k: v for k, v in cfg.items() if k not in primary_groups()})
+    shown, prefix = {}, ""
+    for line in help_text.split("\nTop-level keys", 1)[1].split("\n\n", 1)[0].splitlines()[1:]:
+        first = line.split()[0]
+        if line[2] != " ":  # a new line of its own, not a continuation
+            prefix = first if first.endswith(".") else ""
+        shown |= {prefix + key: value for key, value in typed_values(line).items()}
+    assert "debug" not in help_text  # the test hooks are not for users
+    assert shown == {k: v for k, v in expected.items() if not k.startswith("debug.")}
+
+
+def test_help_fits_in_100_columns(help_text):
+    assert [line for line in help_text.splitlines() if len(line) > 100] == []
 
 
 def test_unknown_key(tmp_path):
     text = assert_clean_failure(run_cli("model.foo=1", tmp_path=tmp_path))
     assert "model.foo" in text
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+optimizer.lrr=0.1", "optimizer.lrr is not a key of accelexp's config"),
+        ("+anything.unknown=1", "anything.unknown is not a key of accelexp's config"),
+        ("+data.num_train=100", "data.num_train applies only to data=synthetic"),
+    ],
+)
+def test_a_key_added_with_plus_that_nothing_reads_exits_2(tmp_path, override, message):
+    result = run_cli(override, f"mlflow.tracking_uri=sqlite:///{tmp_path}/m.db", tmp_path=tmp_path)
+    text = assert_clean_failure(result)
+    assert result.returncode == 2, text
+    assert text.count("is not a key") + text.count("applies only") == 1, text  # one message
+    assert message in text
+    assert not (tmp_path / "job" / "checkpoints").exists()  # nothing trained
 
 
 def test_a_sweep_study_without_m_says_to_use_m(tmp_path):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from conftest import CONF_DIR, group_options, primary_groups
+from conftest import CONF_DIR, group_options
 from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from accelexp.config import ConfigError, register_configs, validate
+from accelexp.config.catalog import primary_groups
 
 EXPECTED_OPTIONS = {
     "model": {"simple_cnn", "resnet18", "resnet50"},
@@ -110,3 +112,56 @@ def test_config_error_is_an_accelexp_error():
     from accelexp.errors import AccelexpError
 
     assert issubclass(ConfigError, AccelexpError)
+
+
+SYNTHETIC_ONLY = {"num_train", "num_test", "image_size", "channels", "num_classes"}
+
+
+@pytest.mark.parametrize("option", ["fashion_mnist", "cifar10"])
+def test_a_real_dataset_has_no_synthetic_sizes(compose_cfg, option):
+    """Its shape is its files' (Fashion-MNIST: 60k 28px grey images): no key may say otherwise."""
+    cfg = compose_cfg(f"data={option}")
+    assert SYNTHETIC_ONLY.isdisjoint(cfg.data)
+    assert {"root", "download"} <= set(cfg.data)
+    validate(cfg)
+
+
+def test_the_synthetic_set_has_its_sizes_and_no_files(compose_cfg):
+    cfg = compose_cfg("data=synthetic")
+    assert set(cfg.data) >= SYNTHETIC_ONLY
+    assert {"root", "download"}.isdisjoint(cfg.data)
+
+
+def test_a_key_of_another_data_option_is_refused(compose_cfg):
+    with pytest.raises(ConfigCompositionException, match=r"data\.num_train"):
+        compose_cfg("data=fashion_mnist", "data.num_train=100")
+    with pytest.raises(ConfigError) as caught:  # added with +, past Hydra's schema
+        validate(compose_cfg("data=fashion_mnist", "+data.num_train=100"))
+    assert (
+        "data.num_train applies only to data=synthetic, not to data=fashion_mnist: drop it, "
+        "or pick data=synthetic." in str(caught.value)
+    )
+
+
+def test_a_key_of_other_strategies_names_them(compose_cfg):
+    with pytest.raises(ConfigError, match=r"parallelism=ddp and parallelism=hybrid"):
+        validate(compose_cfg("+parallelism.backend=gloo"))
+
+
+@pytest.mark.parametrize("override", ["+optimizer.lrr=0.1", "+anything.unknown=1"])
+def test_a_key_nothing_reads_is_refused(compose_cfg, override):
+    key = override[1:].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"  {key} is not a key of accelexp's config"):
+        validate(compose_cfg(override))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [("+experiment=scaling",), ("+experiment=speedups", "+rung=amp"), ("+mlflow.tags.study=x",)],
+)
+def test_what_a_user_adds_with_plus_is_accepted(compose_cfg, overrides):
+    validate(compose_cfg(*overrides))
+
+
+def test_a_tag_added_with_plus_is_kept(compose_cfg):
+    assert compose_cfg("+mlflow.tags.study=x").mlflow.tags == {"study": "x"}

@@ -1,4 +1,6 @@
-"""Configuration: the structured schema (`schema`) and the checks Hydra cannot do (`validate`)."""
+"""Configuration: the structured schema (`schema`), the checks Hydra cannot do (`validate`, and
+`resources` for this machine), what `conf/` offers (`catalog`) and the `--help` built from it
+(`help`)."""
 
 from accelexp.config.schema import Config, register_configs
 from accelexp.config.validate import ConfigError, validate

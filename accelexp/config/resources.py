@@ -97,7 +97,8 @@ def _memory_problems(cfg: DictConfig, workers: int, on_cpu: bool) -> list[str]:
     shape = set_shape(cfg.data)
     if available is None or shape is None:
         return []
-    data_bytes = shape.peak_bytes(synthetic=cfg.data.name == "synthetic")
+    synthetic = cfg.data.name == "synthetic"  # the only set whose sizes are keys of `data`
+    data_bytes = shape.peak_bytes(synthetic)
     params = _parameter_count(cfg, shape)
     # fp32 weights; on a CPU also their gradients and up to two optimizer states (on a GPU
     # those live in its memory, which this does not check)
@@ -106,16 +107,24 @@ def _memory_problems(cfg: DictConfig, workers: int, on_cpu: bool) -> list[str]:
     if need <= available:
         return []
     per = f" for each of {workers} workers" if workers > 1 else ""
+    images = f"images of {shape.channels}x{shape.image_size}x{shape.image_size}"
     if model_bytes >= data_bytes:
         what = (
             f"a model of {params:.3g} parameters ({_size(model_bytes)}{per}): use a smaller "
-            f"model (model.hidden, model.widths, model.channels) or smaller data.image_size"
+            f"model (model.hidden, model.widths, model.channels)"
+            + (" or smaller data.image_size" if synthetic else "")
         )
-    else:
+    elif synthetic:
         what = (
             f"a data set of {_size(data_bytes)}{per} (data.num_train={shape.num_train}, "
-            f"data.num_test={shape.num_test} images of {shape.channels}x{shape.image_size}x"
-            f"{shape.image_size}): use a smaller data.num_train, num_test, image_size or channels"
+            f"data.num_test={shape.num_test} {images}): use a smaller data.num_train, num_test, "
+            f"image_size or channels"
+        )
+    else:  # a real set's size is its files'
+        what = (
+            f"data={cfg.data.name}, {_size(data_bytes)}{per} ({shape.num_train} + "
+            f"{shape.num_test} {images}): use "
+            + ("fewer parallelism.nprocs" if workers > 1 else "a machine with more memory")
         )
     return [
         f"  the run needs about {_size(need)} of memory, but this machine has {_size(available)} "

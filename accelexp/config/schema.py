@@ -50,9 +50,9 @@ class ResNetConfig:
 
 @dataclass
 class DataConfig:
+    """Keys every data option has: how the set is batched, split and held."""
+
     name: str = "fashion_mnist"
-    root: str | None = None
-    download: bool = True
     batch_size: int = 128
     eval_batch_size: int = 512
     num_workers: int = 0
@@ -61,7 +61,21 @@ class DataConfig:
     on_device: Any = "auto"
     augment: bool = True
     val_fraction: float = 0.1
-    # synthetic only: sizes of the generated sets and the image shape
+
+
+@dataclass
+class StoredDataConfig(DataConfig):
+    """A real dataset read from its files (fashion_mnist, cifar10): its shape is the files'."""
+
+    root: str | None = None
+    download: bool = True
+
+
+@dataclass
+class SyntheticDataConfig(DataConfig):
+    """A set generated in memory: the sizes of its splits and the image shape are chosen here."""
+
+    name: str = "synthetic"
     num_train: int = 8192
     num_test: int = 2048
     image_size: int = 32
@@ -231,6 +245,7 @@ class MlflowConfig:
     # None: `mlartifacts/` beside a SQLite store; the server's default for a tracking server
     artifact_location: str | None = None
     log_checkpoint: bool = False
+    log_model: bool = False  # the best weights as an MLflow model (mlflow.pytorch): disk, time
     log_system_metrics: bool = False
     tags: dict[str, str] = field(default_factory=dict)  # extra tags for the run, e.g. a study's
 
@@ -284,7 +299,7 @@ class Config:
 
 SCHEMAS: dict[str, dict[str, type]] = {
     "model": {"simple_cnn": SimpleCNNConfig, "mlp": MLPConfig, "resnet": ResNetConfig},
-    "data": {"data": DataConfig},
+    "data": {"stored": StoredDataConfig, "synthetic": SyntheticDataConfig},
     "precision": {"precision": PrecisionConfig},
     "parallelism": {
         "single": ParallelismConfig,

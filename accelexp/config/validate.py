@@ -3,7 +3,8 @@
 `validate(cfg)` raises one `ConfigError` listing every problem found, each naming the key, the
 value and what is allowed, so a typo costs one run of `python run.py`, not an hour of training.
 A key left unset, an interpolation that cannot be resolved (`${oc.env:NOPE}`) and a key added
-with `+` that nothing reads are problems too.
+with `+` that nothing reads are problems too; one that other options of its group have
+(`+data.num_train` with data=fashion_mnist) is named with them.
 
 What this machine can hold is checked apart, in `resources.py`.
 """
@@ -20,6 +21,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from accelexp.config.catalog import flatten, options_declaring
 from accelexp.errors import AccelexpError
 
 PRECISIONS = ("fp32", "amp", "bf16")
@@ -308,9 +310,24 @@ def _unknown_keys(node: DictConfig, prefix: str = "") -> Iterator[str]:
     for key in node:
         name = f"{prefix}.{key}" if prefix else str(key)
         if known and key not in known:
-            yield (
-                f"  {name} is not a key of accelexp's config (added with +{name}=...?): nothing "
+            if isinstance(node[key], DictConfig):  # +anything.unknown=1: name what was typed
+                name = next(iter(flatten({name: OmegaConf.to_container(node[key])})))
+            problem = misplaced_key(name, node.get("name")) or (
+                f"{name} is not a key of accelexp's config (added with +{name}=...?): nothing "
                 f"would read it. Check its spelling against `python run.py --cfg job`."
             )
+            yield f"  {problem}"
         elif isinstance(node[key], DictConfig):
             yield from _unknown_keys(node[key], name)
+
+
+def misplaced_key(key: str, chosen: str | None = None) -> str:
+    """For `data.num_train` with data=fashion_mnist (`chosen`): that the key belongs to other
+    options of its group (data=synthetic) and what to do; "" when no option of the group has it."""
+    group, _, leaf = key.rpartition(".")
+    owners = [f"{group}={option}" for option in options_declaring(group, leaf)] if group else []
+    if not owners:
+        return ""
+    this = f"{group}={chosen}" if chosen else f"the chosen {group}"
+    owned = " and ".join(owners)
+    return f"{key} applies only to {owned}, not to {this}: drop it, or pick {owners[0]}."
