@@ -2,7 +2,8 @@
 # Set up everything accelexp needs, on a fresh machine or again on a set-up one (then in seconds):
 #   1. Debian's dataset-fashion-mnist (the real data of the default run) and chromium (the tests
 #      look at the MLflow UI in it), when apt is usable;
-#   2. a virtual environment at .venv with torch/torchvision and the project (editable, +dev);
+#   2. a virtual environment at .venv with torch/torchvision and the project (editable, with
+#      the dev and team extras: tests, and the clients of a PostgreSQL/S3 tracking server);
 #   3. Holistic Trace Analysis (HTA), which analyses the profile=true traces;
 #   4. Horovod, compiled against that torch once and cached as a wheel (scripts/build_horovod.sh).
 # Re-running skips every step whose result is already there.
@@ -51,7 +52,7 @@ stamp="$VENV/.accelexp-setup"
 digest=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$digest" ]; then
   say "installing accelexp and its dependencies"
-  pip_install -e ".[dev]"
+  pip_install -e ".[dev,team]"  # team: a PostgreSQL/S3 tracking server's clients
   echo "$digest" >"$stamp"
 fi
 

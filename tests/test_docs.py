@@ -1,0 +1,634 @@
+"""Every command in README.md and docs/*.md is run here, or checked as far as this machine allows.
+
+The fenced shell blocks (```bash, ```sh, ```console) of the docs are read line by line (`\\`
+continuations joined, `# comments` dropped; in ```console blocks only the `$ ` lines). Each
+command is handled by the first rule in `RULES` that matches it; a command no rule knows fails
+its test, so a new kind of command in the docs needs a rule here. What the rules do:
+
+- `python run.py ...` composes every job of the command with Hydra (a `-m` sweep: every point of
+  its grid) and validates it with accelexp's own checks; then it runs for real into this module's
+  MLflow store, at a tiny size: `epochs=1 max_steps_per_epoch=2 threads=1 progress=false`, the
+  synthetic set shrunk to 256 images of 16 px (other data sets keep their size), a command-line
+  sweep cut to its first two values, folders in tmp. Not run, only composed and validated, and
+  named so: a command whose comment says it `needs a GPU` / `needs N GPUs`, one on CIFAR-10 when
+  the set is not on disk (tests have no network), one pointing at a team server (an `http://`
+  tracking URI of another host), one with `...` (a pattern: your overrides go there), and Slurm
+  (`hydra/launcher=slurm` also checks that nodes x tasks per node = `parallelism.nprocs`).
+- `torchrun` / `horovodrun` on one host run for real at the same tiny size; across several hosts
+  (`--nnodes` > 1, `-H` naming other hosts) and under `srun` they are composed and validated.
+- `accelexp-report ...` runs against this module's store (after a tiny sweep of the experiment it
+  names, when the store has none), writing into tmp.
+- `mlflow ui` / `mlflow server` start for real on a free local port and answer `/health`; a team
+  server's PostgreSQL and S3 are replaced by this module's SQLite store and a tmp folder.
+- `pip install -e '.[EXTRAS]'`: each extra is declared in pyproject.toml (installing needs the
+  network). `make TARGET` exists (`make -n`). `bash scripts/X.sh` is valid shell (`bash -n`), and
+  runs for real when `DRY_RUN=1`. `horovodrun --check-build` runs. `python benchmarks/X.py` answers
+  `--help` (the benchmarks take minutes; `make bench` runs them).
+
+Placeholders in commands are written `<like this>` (`<run id>`, `<db host>`); `...` stands for the
+user's own overrides. Commands that start several processes or compile are marked slow.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import itertools
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import tomllib
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from accelexp.config import register_configs
+from accelexp.config.validate import check_one_job_of_a_study, validate
+from accelexp.parallel.world import free_port
+from tests.conftest import CONF_DIR, REPO, new_store
+
+README = REPO / "README.md"
+DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
+BIN = Path(sys.executable).parent  # the venv's bin: python, torchrun, horovodrun, mlflow, ...
+FENCE = re.compile(r"^\s*```(\S*)\s*$")
+SHELL_BLOCKS = {"bash", "sh", "console"}
+PLACEHOLDER = re.compile(r"<[^<>]+>")
+NEEDS_GPU = re.compile(r"\bneeds (a|\d+) GPUs?\b")
+
+# The tiny size every real run is cut to (keys the command sets are replaced, not duplicated).
+TINY = {"progress": "false", "epochs": "1", "max_steps_per_epoch": "2", "threads": "1"}
+TINY_SYNTHETIC = {
+    "data.num_train": "256",
+    "data.num_test": "128",
+    "data.batch_size": "32",
+    "data.image_size": "16",
+}
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command line of a doc: where it is, its text (continuations joined), its comment."""
+
+    source: str
+    text: str
+    comment: str = ""
+
+    @property
+    def argv(self) -> list[str]:
+        return shlex.split(self.text)
+
+    def words(self) -> tuple[dict[str, str], list[str]]:
+        """Leading `VAR=value` assignments, and the command with `.venv/bin/` dropped from it."""
+        argv, env = self.argv, {}
+        while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
+            key, value = argv.pop(0).split("=", 1)
+            env[key] = value
+        if argv:
+            argv[0] = argv[0].removeprefix(".venv/bin/")
+        return env, argv
+
+
+def split_comment(line: str) -> tuple[str, str]:
+    """`cmd 'a # b' # note` -> ("cmd 'a # b'", "note"): a # after a blank, outside quotes."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i].rstrip(), line[i + 1 :].strip()
+    return line.rstrip(), ""
+
+
+def doc_commands(path: Path) -> list[Command]:
+    """The commands of the shell blocks of one Markdown file."""
+    commands: list[Command] = []
+    language = None  # inside a fence: its language
+    pending, start, notes = "", 0, []
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        fence = FENCE.match(raw)
+        if fence:
+            language = None if language is not None else fence.group(1)
+            continue
+        if language not in SHELL_BLOCKS:
+            continue
+        line = raw.strip()
+        if language == "console":
+            if not line.startswith("$ ") and not pending:
+                continue  # output
+            line = line.removeprefix("$ ")
+        text, note = split_comment(line)
+        if not text:
+            continue  # a comment or blank line
+        if not pending:
+            start = number
+        notes.append(note)
+        if text.endswith("\\"):
+            pending += text[:-1].rstrip() + " "
+            continue
+        where = f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path.name}:{start}"
+        commands.append(Command(where, pending + text, " ".join(n for n in notes if n)))
+        pending, notes = "", []
+    return commands
+
+
+def unique(commands: list[Command]) -> list[Command]:
+    """One of each command text (its first place, and the others named in its source)."""
+    places: dict[str, list[Command]] = {}
+    for command in commands:
+        places.setdefault(command.text, []).append(command)
+    return [
+        Command(", ".join(c.source for c in same), same[0].text, same[0].comment)
+        for same in places.values()
+    ]
+
+
+ALL_COMMANDS = unique([command for path in DOCS for command in doc_commands(path)])
+
+
+# --- composing a run.py command ----------------------------------------------------------------
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _compose(overrides: list[str]) -> DictConfig:
+    """The config of one job, with its `hydra` node (launcher, sweeper params)."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=overrides, return_hydra_config=True)
+
+
+def _without_hydra(cfg: DictConfig) -> DictConfig:
+    job = cfg.copy()
+    with open_dict(job):
+        del job["hydra"]
+    return job
+
+
+@dataclass
+class RunPy:
+    """A `run.py` command's overrides, taken apart: the fixed ones and the swept ones."""
+
+    overrides: list[str]
+    multirun: bool
+    options: list[str] = field(default_factory=list)  # --help, --cfg job, ...
+
+    @classmethod
+    def parse(cls, args: list[str]) -> RunPy:
+        args = [PLACEHOLDER.sub(lambda m: m.group(0)[1:-1], a) for a in args]  # <run-id> -> run-id
+        multirun = any(a in ("-m", "--multirun") for a in args)
+        args = [a for a in args if a not in ("-m", "--multirun", "...")]
+        options = [a for a in args if a.startswith("-")]
+        if "--cfg" in options or "-c" in options:  # its value follows it
+            i = args.index(options[0])
+            options, args = args[i : i + 2], args[:i] + args[i + 2 :]
+        return cls([a for a in args if not a.startswith("-")], multirun, options)
+
+    def jobs(self) -> list[list[str]]:
+        """Every job's overrides: the command line's sweep, over the study's grid (CLI wins)."""
+        parsed = OverridesParser.create().parse_overrides(self.overrides)
+        fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+        swept = {
+            o.get_key_element(): list(o.sweep_string_iterator())
+            for o in parsed
+            if o.is_sweep_override()
+        }
+        if not self.multirun:
+            assert not swept, f"a sweep ({', '.join(swept)}) without -m"
+            return [fixed]
+        study = _compose(fixed).hydra.sweeper.get("params") or {}
+        given = {_key(o) for o in fixed} | {_key(k) for k in swept}
+        grid = {
+            key: list(p.sweep_string_iterator())
+            if p.is_sweep_override()
+            else [p.get_value_element_as_str()]
+            for key, value in study.items()
+            if _key(key) not in given
+            for p in OverridesParser.create().parse_overrides([f"{key}={value}"])
+        }
+        grid.update(swept)
+        points = itertools.product(*grid.values())
+        return [fixed + [f"{k}={v}" for k, v in zip(grid, point, strict=True)] for point in points]
+
+
+def compose_and_validate(run: RunPy) -> list[DictConfig]:
+    """Each job of the command composed by Hydra and validated; their full configs."""
+    configs = []
+    for job in run.jobs():
+        cfg = _compose(job)
+        validate(_without_hydra(cfg))
+        if not run.multirun:  # a study that sweeps, started without -m, is refused
+            check_one_job_of_a_study(cfg.hydra.sweeper.get("params") or {}, job)
+        configs.append(cfg)
+    return configs
+
+
+def _many_processes(cfg: DictConfig) -> bool:
+    return cfg.parallelism.nprocs > 1 or cfg.speed.compile != "off"
+
+
+# --- running things ------------------------------------------------------------------------
+
+
+@dataclass
+class Store:
+    """This module's MLflow store and scratch folder, shared by every command (like a user's)."""
+
+    root: Path
+    uri: str
+    count: int = 0
+
+    def folder(self, name: str) -> Path:
+        self.count += 1
+        return self.root / f"{name}-{self.count}"
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory, mlflow_template_db: Path) -> Store:
+    root = tmp_path_factory.mktemp("docs")
+    return Store(root, new_store(root, mlflow_template_db))
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "MLFLOW_"))}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env | (extra or {})
+
+
+def run_ok(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """Run a command in the repository; its output, or a failure that shows it."""
+    done = subprocess.run(
+        argv, cwd=REPO, env=_env(env), capture_output=True, text=True, timeout=1800
+    )  # the timeout only guards against a hang
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{shlex.join(argv)} exited {done.returncode}:\n{output[-4000:]}"
+    return output
+
+
+def executable(word: str) -> str:
+    """`python`/`.venv/bin/python` -> this venv's python; `torchrun` -> the venv's torchrun."""
+    name = word.removeprefix(".venv/bin/")
+    if name in ("python", "python3"):
+        return sys.executable
+    return str(BIN / name) if (BIN / name).exists() else name
+
+
+def tiny(run: RunPy, configs: list[DictConfig], store: Store) -> list[str]:
+    """The command's overrides cut to the tiny size, tracked into the module's store."""
+    sizes = dict(TINY)
+    if all(cfg.data.name == "synthetic" for cfg in configs):
+        sizes |= TINY_SYNTHETIC
+    warmup = max(cfg.scheduler.warmup_epochs for cfg in configs)
+    sizes["epochs"] = str(int(warmup) + 1)
+    sizes["mlflow.tracking_uri"] = store.uri
+    sizes["hydra.run.dir"] = str(store.folder("run"))
+    sizes["hydra.sweep.dir"] = str(store.folder("sweep"))
+    kept = []
+    for parsed in OverridesParser.create().parse_overrides(run.overrides):
+        if _key(parsed.input_line) in sizes:
+            continue
+        if parsed.is_sweep_override() and not parsed.get_key_element().startswith("hydra"):
+            values = list(parsed.sweep_string_iterator())[:2]
+            kept.append(f"{parsed.get_key_element()}={','.join(values)}")
+        else:
+            kept.append(parsed.input_line)
+    return [*(["-m"] if run.multirun else []), *kept, *(f"{k}={v}" for k, v in sizes.items())]
+
+
+def cifar10_on_disk(cfg: DictConfig) -> bool:
+    root = Path(cfg.data.root or REPO / "outputs/data/cifar10")
+    return (root / "cifar-10-batches-py").is_dir()
+
+
+def not_here(command: Command, configs: list[DictConfig]) -> str | None:
+    """Why this machine cannot run the command (then it is only composed), or None."""
+    if NEEDS_GPU.search(command.comment):
+        return "needs a GPU"
+    if "..." in command.argv or PLACEHOLDER.search(command.text):
+        return "a pattern: `...` and `<placeholders>` stand for the user's values"
+    if any(cfg.data.name == "cifar10" and not cifar10_on_disk(cfg) for cfg in configs):
+        return "CIFAR-10 is not on disk and tests have no network"
+    return None
+
+
+def check_run_py(command: Command, store: Store, launcher: list[str] | None = None) -> None:
+    """Compose and validate every job; run it for real at a tiny size where this machine can."""
+    _, argv = command.words()
+    at = argv.index("run.py")
+    run = RunPy.parse(argv[at + 1 :])
+    if run.options:  # --help, --cfg job, --info ...: Hydra answers without training
+        run_ok([sys.executable, "run.py", *run.options, *run.overrides])
+        return
+    configs = compose_and_validate(run)
+    if configs[0].hydra.launcher.get("_target_", "").endswith("SlurmLauncher"):
+        launcher_cfg = configs[0].hydra.launcher
+        for cfg in configs:
+            workers = launcher_cfg.nodes * launcher_cfg.tasks_per_node
+            assert workers == cfg.parallelism.nprocs, (
+                f"{command.source}: Slurm starts nodes x tasks_per_node = {workers} workers, but "
+                f"parallelism.nprocs={cfg.parallelism.nprocs}"
+            )
+        return  # needs Slurm: composed and validated
+    if launcher is None and not_here(command, configs):
+        return
+    assert command_is_slow(command) or not any(map(_many_processes, configs)), (
+        f"{command.source} starts several processes or compiles: make command_is_slow() know it"
+    )
+    prefix = launcher or [sys.executable]
+    run_ok([*prefix, "run.py", *tiny(run, configs, store)])
+
+
+def single_host(argv: list[str]) -> bool:
+    """A torchrun/horovodrun command line that stays on this machine."""
+    if argv[0] == "torchrun":
+        nodes = next((argv[i + 1] for i, a in enumerate(argv) if a == "--nnodes"), "1")
+        return nodes == "1"
+    hosts = next((argv[i + 1] for i, a in enumerate(argv) if a == "-H"), "localhost:1")
+    return all(h.split(":")[0] in ("localhost", "127.0.0.1") for h in hosts.split(","))
+
+
+def check_launcher(command: Command, store: Store) -> None:
+    """torchrun/horovodrun: for real on one host; composed when it needs other hosts."""
+    _, argv = command.words()
+    at = argv.index("run.py")
+    if not single_host(argv):
+        compose_and_validate(RunPy.parse(argv[at + 1 :]))  # needs several hosts
+        return
+    launcher = [executable(argv[0]), *argv[1:at]]
+    if argv[0] == "horovodrun":  # the python it starts is the word before run.py
+        launcher = [*launcher[:-1], executable(argv[at - 1])]
+    check_run_py(command, store, launcher)
+
+
+def check_srun(command: Command, store: Store) -> None:
+    """srun: needs Slurm; the run.py part is composed and validated."""
+    _, argv = command.words()
+    compose_and_validate(RunPy.parse(argv[argv.index("run.py") + 1 :]))
+
+
+def ensure_runs(store: Store, experiment: str) -> None:
+    """A tiny sweep of `experiment` in the store when it holds no sweep of it yet."""
+    from mlflow import MlflowClient
+
+    found = MlflowClient(store.uri).get_experiment_by_name(experiment)
+    if found is not None:
+        parents = MlflowClient(store.uri).search_runs(
+            [found.experiment_id], filter_string="tags.`accelexp.sweep` = 'true'"
+        )
+        if parents:
+            return
+    study = CONF_DIR / "experiment" / f"{experiment}.yaml"
+    if study.is_file():  # one job: the first value of each swept key (a 1-worker fp32 baseline)
+        grid = OmegaConf.load(study).hydra.sweeper.params
+        text = f"run.py -m +experiment={experiment} " + " ".join(
+            f"{key}={str(values).split(',')[0]}" for key, values in grid.items()
+        )
+    else:
+        text = f"run.py -m precision=fp32,bf16 data=synthetic mlflow.experiment={experiment}"
+    check_run_py(Command(f"a sweep for {experiment}", text), store)
+
+
+def check_report(command: Command, store: Store) -> None:
+    """accelexp-report against the module's store, writing into tmp."""
+    _, argv = command.words()
+    args = argv[1:]
+    experiment = args[args.index("--experiment") + 1] if "--experiment" in args else "accelexp"
+    ensure_runs(store, experiment)
+    if "--tracking-uri" not in args:
+        args += ["--tracking-uri", store.uri]
+    if "--output-dir" not in args:
+        args += ["--output-dir", str(store.folder("report"))]
+    run_ok([executable("accelexp-report"), *args])
+
+
+def serve(argv: list[str]) -> None:
+    """Start an MLflow server command, wait for `/health` to answer, stop it."""
+    port = free_port()
+    argv = [*argv, "--host", "127.0.0.1", "--port", str(port)]
+    with subprocess.Popen(
+        argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as server:
+        try:
+            for _ in range(600):  # a guard against a server that never answers
+                if server.poll() is not None:
+                    pytest.fail(
+                        f"{shlex.join(argv)} exited {server.returncode}:\n{server.stdout.read()}"
+                    )
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as answer:
+                        assert answer.status == 200
+                        return
+                except (urllib.error.URLError, ConnectionError):
+                    time.sleep(0.5)
+            pytest.fail(f"{shlex.join(argv)} never answered /health")
+        finally:
+            server.terminate()
+
+
+def _drop_options(argv: list[str], *names: str) -> list[str]:
+    """argv without these options and their values."""
+    out, skip = [], False
+    for word in argv:
+        if skip:
+            skip = False
+        elif word in names:
+            skip = True
+        else:
+            out.append(word)
+    return out
+
+
+def check_mlflow_server(command: Command, store: Store) -> None:
+    """mlflow ui/server on a free local port over the module's store (a team server's PostgreSQL
+    and S3 replaced by it and a tmp folder) answers /health. A PostgreSQL URI names the driver
+    that the `postgres` extra installs."""
+    _, argv = command.words()
+    uri = next((argv[i + 1] for i, a in enumerate(argv) if a == "--backend-store-uri"), "")
+    if uri.startswith("postgresql"):
+        driver = uri.split("://")[0].partition("+")[2]
+        extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+        names = [re.split(r"[\[<>=]", r)[0] for r in extras["optional-dependencies"]["postgres"]]
+        assert driver in names, f"{command.source}: {uri} needs {driver or 'a named driver'}"
+        from sqlalchemy import create_engine
+
+        create_engine(uri).dispose()  # imports the driver setup installed; connects to nothing
+    argv = _drop_options(argv, "--host", "--port", "--backend-store-uri", "--artifacts-destination")
+    argv += ["--backend-store-uri", store.uri, "--workers", "1"]  # 1: it answers sooner
+    if argv[1] == "server":
+        argv += ["--artifacts-destination", str(store.folder("artifacts"))]
+    serve([executable("mlflow"), *argv[1:]])
+
+
+def check_pip_extras(command: Command, store: Store) -> None:
+    """pip install -e '.[a,b]': each extra is declared and installed (scripts/setup.sh installs
+    the `team` extra, so this is what a fresh machine's setup really installed)."""
+    _, argv = command.words()
+    spec = next(a for a in argv if a.startswith(".["))
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = declared["optional-dependencies"]
+    for extra in spec[2:-1].split(","):
+        assert extras.get(extra), f"{command.source}: no extra {extra!r} in pyproject.toml"
+        for requirement in extras[extra]:
+            name = re.split(r"[\[<>=]", requirement)[0]
+            assert importlib.metadata.version(name), f"{command.source}: {name} not installed"
+
+
+def check_make(command: Command, store: Store) -> None:
+    """make TARGET [VAR=...]: the target exists (`make -n` prints what it would run)."""
+    _, argv = command.words()
+    targets = [a for a in argv[1:] if "=" not in a and not a.startswith("-")]
+    run_ok(["make", "-n", *targets])
+
+
+def check_script(command: Command, store: Store) -> None:
+    """bash scripts/X.sh: valid shell; run for real when it is a dry run."""
+    env, argv = command.words()
+    run_ok(["bash", "-n", argv[1]])
+    if env.get("DRY_RUN"):
+        env = {k: executable(v) if k == "PYTHON" else v for k, v in env.items()}
+        run_ok(["bash", *argv[1:]], env | {"OUT": str(store.folder("gpu-session"))})
+
+
+def check_horovod_build(command: Command, store: Store) -> None:
+    _, argv = command.words()
+    run_ok([executable("horovodrun"), *argv[1:]])
+
+
+def check_benchmark(command: Command, store: Store) -> None:
+    """python benchmarks/X.py: it exists and parses its arguments (it runs for minutes)."""
+    _, argv = command.words()
+    run_ok([sys.executable, argv[1], "--help"])
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    matches: Callable[[list[str]], bool]
+    check: Callable[[Command, Store], None]
+
+
+RULES = [
+    Rule("make target", lambda a: a[0] == "make", check_make),
+    Rule("run.py", lambda a: a[0] in ("python", "python3") and a[1:2] == ["run.py"], check_run_py),
+    Rule(
+        "launcher + run.py",
+        lambda a: a[0] in ("torchrun", "horovodrun") and "run.py" in a,
+        check_launcher,
+    ),
+    Rule("Slurm srun", lambda a: a[0] == "srun" and "run.py" in a, check_srun),
+    Rule(
+        "horovodrun --check-build",
+        lambda a: a[:2] == ["horovodrun", "--check-build"],
+        check_horovod_build,
+    ),
+    Rule("accelexp-report", lambda a: a[0] == "accelexp-report", check_report),
+    Rule(
+        "mlflow ui/server",
+        lambda a: a[0] == "mlflow" and a[1] in ("ui", "server"),
+        check_mlflow_server,
+    ),
+    Rule("pip extras", lambda a: a[:3] == ["pip", "install", "-e"], check_pip_extras),
+    Rule("setup script", lambda a: a[0] == "bash" and a[1].startswith("scripts/"), check_script),
+    Rule(
+        "benchmark",
+        lambda a: a[0] in ("python", "python3") and a[1].startswith("benchmarks/"),
+        check_benchmark,
+    ),
+]
+
+
+def rule_for(command: Command) -> Rule | None:
+    _, argv = command.words()
+    return next((rule for rule in RULES if argv and rule.matches(argv)), None)
+
+
+def command_is_slow(command: Command) -> bool:
+    """Starts several processes or compiles (read from the command and the study it names)."""
+    _, argv = command.words()
+    if NEEDS_GPU.search(command.comment) or argv[0] == "srun" or "launcher=slurm" in command.text:
+        return False  # composed only
+    if argv[0] in ("torchrun", "horovodrun") and "run.py" in argv:
+        return single_host(argv)  # several hosts: composed only
+    text = command.text
+    for study in re.findall(r"\+experiment=(\w+)", text):
+        path = CONF_DIR / "experiment" / f"{study}.yaml"
+        text += " " + path.read_text() if path.is_file() else ""
+    many = re.search(
+        r"nprocs[=:] ?[\d,]*[2-9]|parallelism=(ddp|horovod|hybrid)|/parallelism: (ddp|horovod)",
+        text,
+    )
+    return bool(many or re.search(r"compile", text))
+
+
+def _param(command: Command) -> pytest.param:
+    slow = rule_for(command) is not None and command_is_slow(command)
+    return pytest.param(
+        command,
+        id=f"{command.source} {command.text[:70]}",
+        marks=[pytest.mark.slow] if slow else [],
+    )
+
+
+@pytest.mark.parametrize("command", [_param(c) for c in ALL_COMMANDS])
+def test_doc_command(command: Command, store: Store) -> None:
+    rule = rule_for(command)
+    assert rule is not None, (
+        f"{command.source}: no rule checks `{command.text}`: add a rule in tests/test_docs.py"
+    )
+    rule.check(command, store)
+
+
+# --- the docs' shape ------------------------------------------------------------------------
+
+
+def test_readme_fits_a_screen_and_keeps_the_two_commands() -> None:
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move details to docs/"
+    texts = [c.text for c in doc_commands(README)]
+    assert "make run" in texts and "make test" in texts
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors GitHub makes of a file's headings (`## Speed on a GPU`: speed-on-a-gpu)."""
+    headings = re.findall(r"^#+\s+(.*?)\s*$", path.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h).lower().replace(" ", "-") for h in headings}
+
+
+def test_every_doc_link_resolves() -> None:
+    """Links between README.md and docs/ name files that exist, and headings they have."""
+    for path in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file) if file else path
+            where = f"{path.relative_to(REPO)} links to {target}"
+            assert linked.exists(), where
+            assert not anchor or anchor in anchors(linked), f"{where}: no such heading"
+
+
+def test_the_parser_finds_commands(tmp_path: Path) -> None:
+    """A Markdown change that hides the blocks from the parser would pass every rule silently."""
+    kinds = {rule_for(c).name for c in ALL_COMMANDS if rule_for(c)}
+    assert {"make target", "run.py", "accelexp-report", "mlflow ui/server"} <= kinds
+    assert len(ALL_COMMANDS) >= 30
+    doc = tmp_path / "parser.md"
+    doc.write_text(
+        "text\n```bash\n# a comment\nx 'a # b' \\\n  --y 1   # note\n```\n"
+        "```console\n$ z\nits output\n```\n```text\nnot a command\n```\n"
+    )
+    found = [(c.text, c.comment) for c in doc_commands(doc)]
+    assert found == [("x 'a # b' --y 1", "note"), ("z", "")]
+    assert rule_for(Command("new.md:1", "curl https://example.org")) is None  # its test fails
