@@ -4,9 +4,10 @@
 the sweep's overrides, tagged with the sweep dir, the override grid as params), handed to the jobs
 through the environment so each job's run — in this process, in worker processes or in a
 submitit/Slurm job — is its child; closed after the last job with a summary table and plots as
-artifacts, FAILED if any child failed; KILLED on SIGINT/SIGTERM (`abort_sweep`). A single run has
-no parent. A sweep whose parent cannot be opened (an unreachable tracking server, say) stops before
-its first job, exit 2; one whose parent cannot be closed exits 1.
+artifacts (`report/report.html` among them), FAILED if any child failed, and one line gives the
+link that opens the report in the MLflow UI; KILLED on SIGINT/SIGTERM (`abort_sweep`). A single
+run has no parent. A sweep whose parent cannot be opened (an unreachable tracking server, say)
+stops before its first job, exit 2; one whose parent cannot be closed exits 1.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ def abort_sweep(status: str = "KILLED") -> None:
     mlflow_cfg, run_id = _active_sweep
     _active_sweep = None
     try:
-        children, failed, links = end_sweep(mlflow_cfg, run_id, status)
+        children, failed, link = end_sweep(mlflow_cfg, run_id, status)
     except Exception as error:
         log.warning("Could not close the sweep's parent run %s: %s", run_id, error)
         return
-    log.warning("Sweep %s after %d runs (%d failed). %s", status, children, failed, links)
+    log.warning("Sweep %s after %d runs (%d failed): %s", status, children, failed, link)
 
 
 def sweep_grid(config: DictConfig) -> dict[str, str]:
@@ -100,22 +101,28 @@ class MlflowSweep(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.run_id is None:
             return
-        from accelexp.tracking.runs import end_sweep
+        from accelexp.tracking.runs import SWEEP_REPORT, end_sweep
 
         report_dir = Path(config.hydra.sweep.dir) / "report"
+        report = None  # the parent run's page when there is no report to open
         try:
             from accelexp.report import write_sweep_report
 
-            paths = write_sweep_report(config.mlflow.tracking_uri, self.run_id, report_dir)
-            log.info("Sweep summary: %s", ", ".join(str(p) for p in paths))
+            write_sweep_report(config.mlflow.tracking_uri, self.run_id, report_dir)
+            report = SWEEP_REPORT
         except Exception as error:  # a report problem must not lose the sweep's runs
             log.warning("Could not write the sweep's summary: %s", error)
         global failed_in_last_sweep, _active_sweep
         _active_sweep = None
         try:
-            children, failed_in_last_sweep, links = end_sweep(config.mlflow, self.run_id)
+            children, failed_in_last_sweep, link = end_sweep(
+                config.mlflow, self.run_id, artifact=report
+            )
         except Exception as error:  # Hydra would make it a warning and exit 0
             log.error("Could not close the sweep's parent run %s: %s", self.run_id, error)
             failed_in_last_sweep = 1  # run.py exits non-zero
             return
-        log.info("Sweep done: %d runs, %d failed. %s", children, failed_in_last_sweep, links)
+        what = "Report" if report else "Parent run"
+        log.info(
+            "Sweep done: %d runs, %d failed. %s: %s", children, failed_in_last_sweep, what, link
+        )

@@ -3,14 +3,20 @@
 `Trainer` sees a `Strategy` (where the work runs, how ranks agree), a `Precision` (autocast and
 loss scaling) and a plain optimizer and scheduler. Per-step work is the forward pass, backward
 pass, optimizer and scheduler step and two on-device additions for the epoch's loss and accuracy;
-the host reads numbers back only every `log_every` steps for the progress bar (on a terminal; a
-plain line at most every `LINE_EVERY_S` seconds when the output is piped, e.g. a Slurm log, so no
-`\r` frames land in it), and at the end of
-the epoch, once, summed over all ranks.
+the host reads numbers back only for the progress bar (at steps 1, 2, 4, ... then every
+`log_every` steps: `figures_due`; a bar on a terminal, a plain line at most every `LINE_EVERY_S`
+seconds when the output is piped, e.g. a Slurm log, so no `\r` frames land in it), and at the
+end of the epoch, once, summed over all ranks.
 
-With a compiled model the first `warmup_steps` steps of the first epoch compile it: they are
-timed apart (`EpochResult.compile_seconds`) and left out of the epoch's throughput, never
-folded into `samples_per_s`; their loss and accuracy still count.
+The first epoch a `Trainer` trains starts with warm-up steps that are left out of the epoch's
+timing, so that even a one-epoch run's `samples_per_s` is steady-state (`timed_steps` says over
+how many steps it was measured); their loss and accuracy still count. With a compiled model they
+are the steps that compile it (`compile_steps`), timed apart as `EpochResult.compile_seconds`;
+an eager model leaves out `eager_warmup_steps` of them: the first steps pay once for the CUDA
+context and cuBLAS/cuDNN handles, cuDNN's autotuning of each shape, the caching allocator growing
+its pool, DDP's bucket rebuild after the first iteration and the communicator's first collective —
+all done within two or three steps, five leave a margin; a quarter of the epoch at most, so a
+short epoch keeps three quarters of its steps timed.
 
 Every step tells a `StepClock` where its phases end (input, forward, backward, optimizer, the
 loop's bookkeeping): `EpochResult.breakdown` is where the timed steps' time went, averaged over
@@ -46,14 +52,16 @@ from accelexp.precision import Precision
 
 log = logging.getLogger(__name__)
 LINE_EVERY_S = 10.0  # the least time between two progress lines of piped output
+EAGER_WARMUP_STEPS = 5  # untimed steps of an eager model's first epoch, at most (module doc)
 
 
 @dataclass
 class EpochResult:
     loss: float
     accuracy: float
-    samples: int  # timed samples (all but the compile warm-up's), over all ranks
-    seconds: float
+    samples: int  # timed samples (all but the warm-up steps'), over all ranks
+    seconds: float  # the timed steps', slowest rank
+    timed_steps: int  # the steps `samples` and `seconds` count (all but the warm-up steps)
     compile_seconds: float | None = None  # the compile warm-up steps, slowest rank
     breakdown: Breakdown = field(default_factory=Breakdown)  # the timed steps, mean over ranks
 
@@ -93,8 +101,20 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def figures_due(step: int, every: int) -> bool:
+    """Steps whose loss and accuracy are read back for the progress bar: 1, 2, 4, 8, ... below
+    `every`, then every `every`th — shown at once, for about log2(every) more host syncs an epoch
+    (not one a step)."""
+    return step % every == 0 or (step < every and step & (step - 1) == 0)
+
+
 def batches_per_epoch(num_batches: int, max_steps: int | None) -> int:
     return min(num_batches, max_steps) if max_steps else num_batches
+
+
+def eager_warmup_steps(steps: int) -> int:
+    """Untimed steps of an eager model's first epoch of `steps`: 5, at most a quarter of it."""
+    return min(EAGER_WARMUP_STEPS, steps // 4)
 
 
 def optimizer_steps_per_epoch(num_batches: int, max_steps: int | None, accumulate: int) -> int:
@@ -115,6 +135,8 @@ class Trainer:
         progress: bool = True,
         warmup_steps: int = 0,
     ) -> None:
+        """`warmup_steps`: the steps that compile a compiled model (`SpeedSwitches.warmup_steps`),
+        0 for an eager one (which leaves out `eager_warmup_steps` instead)."""
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -125,7 +147,8 @@ class Trainer:
         self.log_every = log_every
         self.progress = progress and strategy.is_main
         self.bar = self.progress and sys.stderr.isatty()  # piped: plain lines instead
-        self.warmup_steps = warmup_steps  # of the next epoch trained, then 0
+        self.compile_steps = warmup_steps  # compiled: the first epoch's steps that compile
+        self.warmed_up = False  # the first epoch trained leaves out its warm-up steps
         self.clock = StepClock(self.device)
         self.profiler = None  # a StepProfiler (profile=true), stepped after each step
 
@@ -142,9 +165,9 @@ class Trainer:
         self.model.train()
         loader.set_epoch(epoch)
         steps = self.batches_per_epoch(loader)
-        warmup = min(self.warmup_steps, steps - 1)  # leave at least one step to time
-        self.warmup_steps = 0
-        compile_seconds = None
+        warmup = 0 if self.warmed_up else self.untimed_steps(steps)
+        self.warmed_up = True
+        warmup_seconds = 0.0
         accumulate = self.strategy.accumulate_steps
         loss_sum = torch.zeros((), device=self.device)
         correct = torch.zeros((), dtype=torch.long, device=self.device)
@@ -183,13 +206,13 @@ class Trainer:
             bar.update()
             if profiler is not None:
                 profiler.step()
-            if step + 1 == warmup:  # compiled: time the steps from here on
+            if step + 1 == warmup:  # warmed up: time the steps from here on
                 synchronize(self.device)
                 now = time.perf_counter()
-                compile_seconds, start, timed_from = now - start, now, seen
-                self.strategy.take_comm_time()  # the compile steps' communication is not timed
+                warmup_seconds, start, timed_from = now - start, now, seen
+                self.strategy.take_comm_time()  # the warm-up steps' communication is not timed
                 clock.start()
-            elif self.progress and (step + 1) % self.log_every == 0:
+            elif self.progress and figures_due(step + 1, self.log_every):
                 now = time.perf_counter()
                 figures = {
                     "loss": f"{loss_sum.item() / seen:.4f}",
@@ -213,34 +236,53 @@ class Trainer:
             loss_sum, correct, seen, seen - timed_from
         )
         # the slowest rank sets the pace of a synchronous step
-        seconds, compile_seconds = self.strategy.reduce_max(
-            torch.tensor([seconds, compile_seconds or 0.0], device=self.device)
+        seconds, warmup_seconds = self.strategy.reduce_max(
+            torch.tensor([seconds, warmup_seconds], device=self.device)
         ).tolist()
         return EpochResult(
             total_loss / total_seen,
             total_correct / total_seen,
             int(total_timed),
             seconds,
-            compile_seconds if warmup > 0 else None,
+            steps - warmup,
+            warmup_seconds if warmup and self.compile_steps else None,
             self._mean_over_ranks(breakdown),
         )
+
+    def untimed_steps(self, steps: int) -> int:
+        """The untimed steps of the first epoch trained, of `steps`; at least one step is timed."""
+        if self.compile_steps:
+            return min(self.compile_steps, steps - 1)
+        return eager_warmup_steps(steps)
 
     def _mean_over_ranks(self, breakdown: Breakdown) -> Breakdown:
         total = self.strategy.reduce_sum(breakdown.to_tensor(self.device))
         return Breakdown.from_tensor(total / self.strategy.world_size)
 
     @torch.no_grad()
-    def evaluate(self, loader: BatchLoader) -> tuple[float, float]:
-        """(loss, accuracy) over the whole set: each rank's share, summed over ranks."""
+    def evaluate(self, loader: BatchLoader, name: str = "eval") -> tuple[float, float]:
+        """(loss, accuracy) over the whole set: each rank's share, summed over ranks.
+
+        Its progress shows as the training's does, as `name`: a bar on a terminal, a plain line
+        at most every `LINE_EVERY_S` seconds when piped; counting batches needs no host sync.
+        """
         self.model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct = torch.zeros((), dtype=torch.long, device=self.device)
         seen = 0
-        for images, labels in loader:
+        batches = len(loader)
+        bar = tqdm(total=batches, desc=name, disable=not self.bar, leave=False, mininterval=0.5)
+        last_line = time.perf_counter()
+        for batch, (images, labels) in enumerate(loader, start=1):
             with self.precision.autocast():
                 logits = self.model(images)
             loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
             correct += (logits.argmax(1) == labels).sum()
             seen += len(labels)
+            bar.update()
+            if self.progress and not self.bar and time.perf_counter() - last_line >= LINE_EVERY_S:
+                last_line = time.perf_counter()
+                log.info("%s: batch %d/%d", name, batch, batches)
+        bar.close()
         total_loss, total_correct, total_seen = self._sum_over_ranks(loss_sum, correct, seen)
         return total_loss / total_seen, total_correct / total_seen

@@ -16,16 +16,19 @@ import logging
 import platform
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from accelexp import checkpoint
 from accelexp.config import ConfigError, validate
-from accelexp.data import BatchLoader, DataBundle, build_data, resolve_on_device
+from accelexp.data import SOURCES, BatchLoader, DataBundle, build_data, resolve_on_device
+from accelexp.data.sources import SYNTHETIC_SEED
 from accelexp.diagnosis import flops
 from accelexp.diagnosis.profiler import StepProfiler
 from accelexp.diagnosis.run import RunDiagnosis, is_out_of_memory
@@ -37,7 +40,7 @@ from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
 from accelexp.speed import SpeedSwitches
 from accelexp.tracking import Tracker, flatten
-from accelexp.tracking.runs import RUN_ID_FILE, run_name, run_tags
+from accelexp.tracking.runs import RUN_ID_FILE, run_name, run_tags, significant
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +128,7 @@ class DebugLoader:
 
 
 def run(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = ()) -> dict[str, float]:
-    """Train and test one configuration; returns the final metrics."""
+    """Train and test one configuration; returns the final metrics (as logged to MLflow)."""
     validate(cfg)
     output_dir = Path(output_dir)
     if cfg.threads:
@@ -230,11 +233,13 @@ def _run(
             **run_tags(cfg, strategy.world_size, overrides),
             **switches.tags(),
             "data_placement": placement,
+            "device": device_label(strategy),
             "host": platform.node(),
             "config_hash": config_hash(resolved),
             "output_dir": str(output_dir.resolve()),
         }
         tracker.start(name, params, tags)
+        tracker.log_dataset(cfg.data.name, dataset_identity(cfg, data), dataset_source(cfg.data))
     if tracker.run_id:  # a failure later on is recorded on this run (tracking.record_failure)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RUN_ID_FILE).write_text(tracker.run_id)
@@ -245,7 +250,11 @@ def _run(
             name, strategy.device, world.world_size, world.replicas,
             world.devices_per_replica, output_dir.resolve(),
         )  # fmt: skip
-    fit = Fit(cfg, output_dir, trainer, tracker, generator, resolved, diagnosis, profiler)
+    new_model = partial(build_model, cfg.model, data.in_channels, data.num_classes, data.image_size)
+    fit = Fit(
+        cfg, output_dir, trainer, tracker, generator, resolved, diagnosis, profiler,
+        new_model, sample_shape,
+    )  # fmt: skip
     try:
         if state is None:
             _log_run_files(tracker, output_dir, resolved)
@@ -300,9 +309,15 @@ class Fit:
         resolved: dict,
         diagnosis: RunDiagnosis,
         profiler: StepProfiler,
+        new_model: Callable[[], nn.Module],
+        sample_shape: tuple[int, int, int],
     ) -> None:
+        """`new_model` builds the model afresh, on the CPU, for inputs of `sample_shape` (C, H,
+        W): the best weights go into it for `mlflow.log_model`, whatever strategy, placement or
+        compilation trained them."""
         self.cfg, self.trainer, self.tracker = cfg, trainer, tracker
         self.diagnosis, self.profiler = diagnosis, profiler
+        self.new_model, self.sample_shape = new_model, sample_shape
         self.strategy = trainer.strategy
         self.generator, self.resolved = generator, resolved
         self.checkpoints = output_dir / "checkpoints"
@@ -339,7 +354,7 @@ class Fit:
             with self.profiler.epoch(epoch):
                 train = trainer.train_epoch(train_loader, epoch)
             self.diagnosis.profiled(self.profiler.collect(strategy, self.tracker))
-            val_loss, val_acc = trainer.evaluate(val_loader)
+            val_loss, val_acc = trainer.evaluate(val_loader, "val")
             elapsed = time.perf_counter() - run_start
             memory = strategy.memory_metrics()
             per_device = train.samples_per_s / strategy.num_devices
@@ -352,6 +367,7 @@ class Fit:
                 "epoch_time_s": train.seconds,
                 "samples_per_s": train.samples_per_s,
                 "samples_per_s_per_device": per_device,
+                "timed_steps": train.timed_steps,  # the steps samples_per_s was measured over
                 **memory,
                 "grad_scale": trainer.precision.grad_scale(),
                 "compile_s": train.compile_seconds,
@@ -409,7 +425,7 @@ class Fit:
         best = self.checkpoints / checkpoint.BEST
         weights = checkpoint.load(best)["model"] if strategy.is_main else None
         strategy.unwrap(trainer.model).load_state_dict(strategy.broadcast_object(weights))
-        test_loss, test_acc = trainer.evaluate(test_loader)
+        test_loss, test_acc = trainer.evaluate(test_loader, "test")
         final = {
             "best_val_acc": progress.best_val_acc,
             "test_loss": test_loss,
@@ -433,13 +449,59 @@ class Fit:
             log.info("Trained in %.1f s%s; best checkpoint %s", total_s, target, best.resolve())
             if cfg.mlflow.log_checkpoint:
                 self.tracker.log_artifact(best, "checkpoints")
-        return {k: v for k, v in final.items() if v is not None}
+            if cfg.mlflow.log_model:
+                self.log_model(weights)
+        # as logged: what a caller gets is what the MLflow UI shows
+        return {k: significant(v) for k, v in final.items() if v is not None}
+
+    def log_model(self, weights: dict[str, torch.Tensor]) -> None:
+        """The best weights as an MLflow model: a fresh CPU model holding them, traced from a
+        batch of two (zero) images, so the batch size of the model it loads as is free."""
+        model = self.new_model()
+        model.load_state_dict(weights)
+        self.tracker.log_model(model.eval(), torch.zeros(2, *self.sample_shape))
 
 
 def config_hash(resolved: dict) -> str:
     """Identifies the training a config describes (`resume=auto` looks runs up by it)."""
     text = json.dumps(checkpoint.training_config(resolved), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def device_label(strategy: Strategy) -> str:
+    """What one process computes on, for the `device` tag and the report's titles: `cpu`,
+    `NVIDIA H200`, or `NVIDIA H200 x2` for a process driving two devices (dp, model)."""
+    device = strategy.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    per_process = strategy.num_devices // strategy.replicas
+    return f"{name} x{per_process}" if per_process > 1 else name
+
+
+def dataset_identity(cfg: DictConfig, data: DataBundle) -> dict[str, int]:
+    """What tells this training set apart from another of its name (the run input's digest):
+    the sizes of its splits, the image shape, the seed of the validation hold-out, and for the
+    synthetic set the seed it is generated from."""
+    identity = {
+        "train": len(data.train),
+        "val": len(data.val),
+        "test": len(data.test),
+        "image_size": data.image_size,
+        "channels": data.in_channels,
+        "classes": data.num_classes,
+        "split_seed": cfg.seed,
+    }
+    if cfg.data.name == "synthetic":
+        identity["generator_seed"] = SYNTHETIC_SEED
+    return identity
+
+
+def dataset_source(data_cfg: DictConfig) -> Path | str:
+    """Where the set comes from: the folder `data.root` names, else the reader that found it in
+    its default places or generated it (`accelexp.data.SOURCES`)."""
+    if data_cfg.get("root"):
+        return Path(data_cfg.root).expanduser()
+    reader = SOURCES[data_cfg.name]
+    return f"{reader.__module__}.{reader.__name__}"
 
 
 def _log_run_files(tracker: Tracker, output_dir: Path, resolved: dict) -> None:

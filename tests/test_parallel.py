@@ -138,7 +138,7 @@ def test_a_sweep_over_worker_counts_logs_one_run_per_job(name, tmp_path):
         assert run.data.tags["parallelism"] == name
         assert {"samples_per_s", "samples_per_s_per_device", "test_acc"} <= run.data.metrics.keys()
     names = sorted(r.info.run_name for r in runs)
-    assert names == [f"simple_cnn-{name}-fp32", f"simple_cnn-{name}-np2-fp32"]
+    assert names == [f"np1 simple_cnn-{name}-fp32", f"np2 simple_cnn-{name}-fp32"]
 
 
 def leftover_workers(marker: str) -> list[psutil.Process]:

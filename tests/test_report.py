@@ -3,6 +3,8 @@
 The store is written with MlflowClient the way accelexp writes it (tags, params, per-epoch
 histories, final metrics, a sweep parent with children, a FAILED child with error.txt). Every
 first epoch is deliberately off (warm-up), so a report that does not skip it gets other numbers.
+Real tiny runs (`accelexp.train.run`) check that a one-epoch run's throughput is steady-state or
+not reported at all.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, Run
 
 from accelexp.report import (
+    BRIEF_WIDTH,
+    MIN_STEADY_STEPS,
     BaselineError,
     compare,
     main,
+    measure,
     throughput,
     to_csv,
     to_json,
@@ -30,13 +35,16 @@ from accelexp.report import (
 )
 from accelexp.tracking import query
 from accelexp.tracking.query import RunRecord
+from accelexp.train import run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPORT_FILES = {
     "summary.csv",
     "summary.md",
+    "report.html",
     "throughput.png",
     "efficiency.png",
+    "amp_gain.png",
     "accuracy_vs_time.png",
 }
 
@@ -53,6 +61,7 @@ class Job:
     samples_per_s: list[float]
     status: str = "FINISHED"
     peak_mem_mb: list[float] | None = None
+    timed_steps: int = 20  # per epoch, as the engine logs it
     final: dict[str, float] = field(
         default_factory=lambda: {"best_val_acc": 0.9, "test_acc": 0.88, "total_time_s": 40.0}
     )
@@ -105,6 +114,7 @@ def log_job(
             Metric("val_acc", 0.5 + 0.1 * epoch, at, epoch),
             Metric("elapsed_s", 10.0 * epoch, at, epoch),
             Metric("peak_mem_mb", peak, at, epoch),
+            Metric("timed_steps", job.timed_steps, at, epoch),
         ]
     if job.status == "FINISHED":
         metrics += [Metric(k, v, start + 99, 0) for k, v in job.final.items()]
@@ -159,8 +169,21 @@ def run_main(capsys, *args: str) -> tuple[int, str, str]:
 
 # --- compare(): pure, on hand-made records ------------------------------------------------------
 def record(
-    name, parallelism, world_size, precision, samples, *, model="m", status="FINISHED", start=0
+    name,
+    parallelism,
+    world_size,
+    precision,
+    samples,
+    *,
+    model="m",
+    status="FINISHED",
+    start=0,
+    timed_steps: int | None = 20,
+    params: dict[str, str] | None = None,
+    device: str | None = None,
 ) -> RunRecord:
+    """A run as `query` reads it back; `timed_steps` None: logged before the engine logged it."""
+    timed = {} if timed_steps is None else {"timed_steps": float(timed_steps)}
     return RunRecord(
         run_id=f"id-{name}",
         name=name,
@@ -172,17 +195,39 @@ def record(
             "model": model,
             "data": "d",
             "world_size": str(world_size),
-        },
-        metrics={"best_val_acc": 0.9, "test_acc": 0.85},
+        }
+        | ({"device": device} if device else {}),
+        params=params or {},
+        metrics={"best_val_acc": 0.9, "test_acc": 0.85, **timed},
         histories={"samples_per_s": list(enumerate(samples, start=1))},
     )
 
 
-def test_throughput_is_the_median_after_the_first_epoch():
+def test_throughput_is_the_median_after_the_first_epoch_else_the_steady_first_epoch():
     assert throughput(record("a", "ddp", 1, "fp32", [1000, 10, 30, 20])) == 20
     assert throughput(record("b", "ddp", 1, "fp32", [1000, 10])) == 10
-    assert throughput(record("c", "ddp", 1, "fp32", [7])) == 7  # one epoch: use it
-    assert throughput(record("d", "ddp", 1, "fp32", [])) is None
+    assert throughput(record("c", "ddp", 1, "fp32", [7])) == 7  # one epoch, warm-up left out
+    assert measure(record("d", "ddp", 1, "fp32", [])) == (None, "no samples_per_s logged")
+
+
+@pytest.mark.parametrize(
+    ("samples", "timed_steps", "steady"),
+    [([7], 9, 9), ([1000, 7], 5, 5), ([1000, 7, 7], 4, 8)],  # the epochs after the first count
+)
+def test_a_run_with_too_few_steady_steps_has_no_throughput_but_a_note(samples, timed_steps, steady):
+    value, why = measure(record("short", "ddp", 1, "fp32", samples, timed_steps=timed_steps))
+    assert value is None
+    assert why == (
+        f"too short to measure: {steady} steady steps, need ≥ {MIN_STEADY_STEPS} "
+        f"(raise max_steps_per_epoch or epochs)"
+    )
+    assert throughput(record("enough", "ddp", 1, "fp32", [1000, 7, 7], timed_steps=5)) == 7
+
+
+def test_a_one_epoch_run_logged_before_timed_steps_is_not_measured_a_longer_one_is():
+    value, why = measure(record("old", "ddp", 1, "fp32", [7], timed_steps=None))
+    assert value is None and "its only epoch includes warm-up" in why
+    assert throughput(record("old2", "ddp", 1, "fp32", [1000, 9], timed_steps=None)) == 9
 
 
 def test_each_parallelism_is_compared_with_its_own_one_worker_run():
@@ -254,6 +299,89 @@ def test_a_failed_baseline_does_not_count():
     ]
     with pytest.raises(BaselineError, match=r"not finished with a throughput: one"):
         compare(records)
+
+
+SETUP = {"epochs": "3", "data.batch_size": "128", "data.image_size": "32", "optimizer.name": "sgd"}
+
+
+def test_a_mixed_experiment_compares_like_for_like_only_and_says_why_not():
+    """Runs that differ in more than the study varies are not compared; the note names the
+    nearest run and what differs. Tracking, seed and progress keys never count."""
+
+    def setup(**changes: str) -> dict[str, str]:
+        return {**SETUP, "parallelism.nprocs": "1", "precision.init_scale": "65536", **changes}
+
+    records = [
+        record("base", "ddp", 1, "fp32", [1, 100, 100], params=setup(seed="1")),
+        record("two", "ddp", 2, "fp32", [1, 180, 180], params=setup(**{"parallelism.nprocs": "2",
+               "mlflow.run_name": "two", "seed": "2", "progress": "False"})),
+        record("amp", "ddp", 1, "amp", [1, 150, 150], params=setup(**{"precision.init_scale":
+               "1024"})),
+        record("short", "ddp", 2, "fp32", [1, 200], params=setup(epochs="1")),
+        record("bigger", "ddp", 2, "amp", [1, 300, 300],
+               params=setup(**{"data.batch_size": "256", "parallelism.nprocs": "2"})),
+        record("resnet", "ddp", 2, "bf16", [1, 50, 50], model="resnet", params=setup(
+               **{"data.image_size": "64", "epochs": "5", "optimizer.name": "adamw",
+                  "data.batch_size": "64", "parallelism.nprocs": "2"})),
+    ]  # fmt: skip
+    rows = {row.run_name: row for row in compare(records)}
+    assert rows["two"].speedup == pytest.approx(1.8) and rows["two"].note == ""
+    assert rows["amp"].speedup == pytest.approx(1.5)  # precision may differ from the baseline's
+    assert rows["amp"].amp_gain == pytest.approx(1.5)  # precision.* may differ too
+    assert rows["short"].speedup is None and rows["short"].scaling_efficiency is None
+    assert rows["short"].note == (
+        "no like-for-like baseline: nearest (base) differs in epochs (1 vs 3)"
+    )
+    bigger = rows["bigger"]
+    assert (bigger.speedup, bigger.amp_gain) == (None, None)
+    assert bigger.note == (
+        "no like-for-like baseline: nearest (base) differs in data.batch_size (256 vs 128); "
+        "no like-for-like fp32 run: nearest (two) differs in data.batch_size (256 vs 128)"
+    )
+    assert rows["resnet"].note.startswith(
+        "no like-for-like baseline: nearest (base) differs in model (resnet vs m), "
+        "data.batch_size (64 vs 128), data.image_size (64 vs 32), epochs (5 vs 3) and 1 more; "
+    )
+    assert "no like-for-like fp32 run: nearest (two) differs in model (resnet vs m)" in (
+        rows["resnet"].note
+    )
+    markdown = to_markdown(compare(records))
+    assert "Figures left blank, and why:" in markdown
+    assert "- short: no like-for-like baseline: nearest (base) differs in epochs (1 vs 3)" in (
+        markdown
+    )
+    assert json.loads(to_json(compare(records)))[-1]["note"]  # json and csv carry the notes
+
+
+def test_runs_on_other_devices_are_not_compared_and_the_device_is_a_column():
+    asked = {"device": "auto", "device_type": "cuda"}  # the device asked for is not compared
+    rows = compare(
+        [
+            record("cpu", "single", 1, "fp32", [1, 10], device="cpu", params=asked),
+            record("h200", "ddp", 2, "fp32", [1, 900], device="NVIDIA H200", params=asked),
+            record("old", "ddp", 2, "amp", [1, 20], params={"device": "cuda"}),  # no device tag
+        ]
+    )
+    assert [row.device for row in rows] == ["cpu", "NVIDIA H200", ""]
+    assert rows[1].note == (
+        "no like-for-like baseline: nearest (cpu) differs in device (NVIDIA H200 vs cpu)"
+    )
+    assert rows[2].speedup == 2.0  # what only one of two runs logged is not compared
+
+
+def test_a_like_for_like_baseline_too_short_to_measure_is_named():
+    rows = compare(
+        [
+            record("base", "ddp", 1, "fp32", [1000, 100], timed_steps=5, start=1),
+            record("two", "ddp", 2, "fp32", [1000, 180, 180], timed_steps=20),
+        ],
+    )
+    assert rows[0].note.startswith("too short to measure: 5 steady steps")
+    assert rows[1].speedup is None
+    assert rows[1].note == (
+        "the like-for-like baseline, base, has no throughput: too short to measure: 5 steady "
+        "steps, need ≥ 10 (raise max_steps_per_epoch or epochs)"
+    )
 
 
 @pytest.mark.parametrize("selector", ["workers=1", "world_size", "=1", ""])
@@ -460,6 +588,56 @@ def test_errors_are_one_line_and_exit_2(store, capsys, tmp_path, args, expected)
     for text in expected:
         assert text in err
     assert not (tmp_path / "summary.csv").exists()
+
+
+def test_the_default_table_fits_100_columns_and_wide_shows_every_column(store, capsys, tmp_path):
+    base = ["--tracking-uri", store["uri"], "--experiment", "scaling", "--no-plots"]
+    code, out, _ = run_main(capsys, *base, "--output-dir", str(tmp_path))
+    assert code == 0
+    assert max(len(line) for line in out.splitlines()) <= BRIEF_WIDTH
+    for text in ("ddp2-amp", "ddp4-fp32 (FAILED)", "samples/s", "speedup", "1.55×", "1.61×"):
+        assert text in out, text
+    assert "parallelism" not in out and "test acc" not in out  # details: --wide
+
+    code, wide, _ = run_main(capsys, *base, "--wide", "--output-dir", str(tmp_path))
+    assert code == 0
+    assert max(len(line) for line in wide.splitlines()) > BRIEF_WIDTH
+    header = next(line for line in wide.splitlines() if "parallelism" in line)
+    columns = ("status", "parallelism", "workers", "speed", "model", "data", "samples/s",
+               "efficiency", "AMP gain", "test acc", "time to target (s)", "baseline")  # fmt: skip
+    for column in columns:
+        assert column in header, column
+
+
+def test_a_one_epoch_run_is_measured_after_warm_up_or_reported_too_short(
+    compose_cfg, tracking_uri, capsys, tmp_path
+):
+    """Real one-epoch runs: 16 steps (4 warm-up, 12 timed) get a steady throughput; 5 steps
+    (1 warm-up, 4 timed) are too short, and the report says so instead of a number."""
+    sizes = ("data.num_train=640", "data.batch_size=32")
+    for name, steps in (("long", 16), ("short", 5)):
+        cfg = compose_cfg(*sizes, f"max_steps_per_epoch={steps}", f"mlflow.run_name={name}")
+        run(cfg, tmp_path / name)
+    runs = {r.name: r for r in query.experiment_runs(tracking_uri, query.experiment_id(
+        tracking_uri, "accelexp"))}  # fmt: skip
+    long = runs["long"].metrics
+    assert (long["timed_steps"], runs["short"].metrics["timed_steps"]) == (12, 4)
+    # the throughput counts the 12 timed steps' samples in the time they took
+    assert long["samples_per_s"] == pytest.approx(12 * 32 / long["epoch_time_s"], rel=1e-3)
+
+    base = ["--tracking-uri", tracking_uri, "--experiment", "accelexp", "--no-plots",
+            "--output-dir", str(tmp_path / "report")]  # fmt: skip
+    code, out, _ = run_main(capsys, *base, "--format", "csv")
+    assert code == 0
+    rows = {r["run_name"]: r for r in csv.DictReader(io.StringIO(out))}
+    assert float(rows["long"]["samples_per_s"]) == pytest.approx(long["samples_per_s"])
+    assert rows["short"]["samples_per_s"] == rows["short"]["speedup"] == ""
+    assert rows["short"]["note"] == (
+        "too short to measure: 4 steady steps, need ≥ 10 (raise max_steps_per_epoch or epochs)"
+    )
+    code, out, _ = run_main(capsys, *base)
+    assert code == 0
+    assert "short: too short to measure: 4 steady steps, need ≥ 10" in " ".join(out.split())
 
 
 def test_a_missing_store_is_reported_not_created(capsys, tmp_path):

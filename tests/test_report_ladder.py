@@ -163,6 +163,8 @@ def rung_record(
     status: str = "FINISHED",
     start: int = 0,
     precision: str = "fp32",
+    params: dict[str, str] | None = None,
+    timed_steps: int | None = None,
 ) -> RunRecord:
     tags = {"precision": precision, "model": "m", "data": "d", "world_size": "1"}
     tags |= {"rung": rung} if rung is not None else {}
@@ -173,8 +175,37 @@ def rung_record(
         status=status,
         start_time=start,
         tags=tags,
+        params=params or {},
+        metrics={} if timed_steps is None else {"timed_steps": float(timed_steps)},
         histories={"samples_per_s": list(enumerate(samples, start=1))},
     )
+
+
+def test_rungs_are_compared_like_for_like_and_a_short_rung_says_so():
+    """Rungs may differ in precision and speed switches only; a rung of other epochs gets no
+    gain, and its note says what differs; a rung too short to measure says that instead."""
+    setup = {"epochs": "3", "speed.tf32": "False", "precision.init_scale": "65536"}
+    rows = ladder(
+        [
+            rung_record("fp32", 0, [0, 100], params=setup),
+            rung_record("tf32", 1, [0, 150], params=setup | {"speed.tf32": "True"}),
+            rung_record("channels_last", 2, [0, 300], params=setup | {"epochs": "1"}),
+            rung_record(
+                "amp", 3, [0, 600], params=setup | {"precision.init_scale": "1024"}, precision="amp"
+            ),
+            rung_record("bf16", 4, [9], params=setup, timed_steps=4),
+        ]
+    )
+    assert rows[1].gain_vs_previous == rows[1].gain_vs_fp32 == pytest.approx(1.5)
+    assert (rows[2].gain_vs_previous, rows[2].gain_vs_fp32) == (None, None)
+    assert rows[2].note == (
+        "not like for like with rung tf32: differs in epochs (1 vs 3); "
+        "not like for like with rung fp32: differs in epochs (1 vs 3)"
+    )
+    assert rows[3].gain_vs_previous is None  # over channels_last: epochs differ
+    assert rows[3].gain_vs_fp32 == pytest.approx(6.0)
+    assert rows[4].samples_per_s is None
+    assert rows[4].note.startswith("too short to measure: 4 steady steps, need ≥ 10")
 
 
 def test_runs_off_the_ladder_make_no_ladder():
@@ -287,8 +318,8 @@ def test_a_missing_speed_tag_reads_as_eager():
     by_name = {row.run_name: row for row in rows}
     assert by_name["old-fp32"].speed == "eager"
     assert by_name["new-amp"].amp_gain == pytest.approx(3.0)
-    assert {row.baseline_run for row in rows} == {"old-fp32"}
-    assert by_name["new-fp32-cl"].speedup == pytest.approx(2.5)
+    assert {row.baseline_run for row in rows} == {"old-fp32"}  # the selector names speed:
+    assert by_name["new-fp32-cl"].speedup == pytest.approx(2.5)  # it may differ, like for like
     rung = ladder([RunRecord("r", "r", "FINISHED", tags={"rung": "fp32", "rung_index": "0"})])
     assert rung[0].speed == "eager"
 
@@ -362,11 +393,18 @@ def test_a_failed_middle_rung_as_csv_and_markdown(store, capsys, tmp_path):
     assert "simple_cnn-channels_last" in err and "FAILED" in err
 
     out, _ = report(capsys, store, "ladder-failed", "--format", "markdown", *args)
-    runs_md, heading, ladder_md = out.split("\n\n")
-    assert runs_md == (tmp_path / "summary.md").read_text().rstrip("\n")
+    runs_md, heading, ladder_md = out.partition(
+        "\n### Speed-up ladder: simple_cnn on synthetic\n\n"
+    )
+    assert heading and runs_md == (tmp_path / "summary.md").read_text()
     assert "| run | status | parallelism | workers | precision | speed | model |" in runs_md
     assert "| compile (s) |" in runs_md  # the compile rung logged compile_s
-    assert heading == "### Speed-up ladder: simple_cnn on synthetic"
+    # the switches of the rungs after the failed one differ from every measured fp32 run's
+    assert (
+        "- simple_cnn-amp: no like-for-like baseline: nearest (simple_cnn-tf32) differs in speed "
+        "(tf32+cl vs tf32); no like-for-like fp32 run: nearest (simple_cnn-tf32) differs in speed "
+        "(tf32+cl vs tf32)\n"
+    ) in runs_md
     assert ladder_md == (tmp_path / "ladder.md").read_text()
     lines = ladder_md.splitlines()
     assert lines[0] == (
@@ -396,7 +434,7 @@ def test_the_ladder_plot_is_a_png_in_the_report_folder(store, capsys, tmp_path, 
     assert {p.name for p in folder.iterdir()} >= LADDER_FILES
     assert (folder / "ladder.png").read_bytes()[:8] == PNG_MAGIC
     assert "ladder.png" in err
-    assert "Skipped" not in err
+    assert not [line for line in err.splitlines() if "Skipped" in line and "ladder" in line]
 
 
 def test_a_selection_without_a_ladder_keeps_the_plain_json_list_and_no_ladder_files(

@@ -2,11 +2,14 @@
 
 One real 2x2 sweep (`parallelism.nprocs=1,2` x `precision=fp32,amp`, DDP over Gloo, tiny) feeds
 the parent/child checks, a real `mlflow server` on 127.0.0.1 read over its REST API and rendered
-in headless Chromium, and logging over HTTP to that server.
+in headless Chromium (the runs, and the sweep's report.html in MLflow's artifact viewer, driven
+with Playwright since that viewer shows the report inside a sandboxed frame), and logging over
+HTTP to that server. report.html itself is checked on hand-made rows first.
 """
 
 from __future__ import annotations
 
+import base64
 import csv
 import io
 import json
@@ -16,14 +19,18 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 from conftest import REPO, compose_config, output_of, run_cli
 from mlflow import MlflowClient
+from playwright.sync_api import sync_playwright
 
 from accelexp.launch import launch
 from accelexp.parallel.world import free_port
+from accelexp.report import LADDER, RUNS, LadderRow, Row
+from accelexp.report.html import write_html
 
 TINY = (
     "data=synthetic",
@@ -36,6 +43,15 @@ TINY = (
     "progress=false",
 )
 SCREENSHOTS = REPO / "outputs" / "test-artifacts"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"  # Debian's; scripts/setup.sh installs it
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
 
 
 def sweep(tmp: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, str]:
@@ -60,7 +76,16 @@ def runs_of(uri: str) -> tuple[object, list]:
 @pytest.fixture(scope="module")
 def grid_sweep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grid")
-    result, uri = sweep(tmp, "parallelism=ddp", "parallelism.nprocs=1,2", "precision=fp32,amp")
+    # 16 steps an epoch on each of two workers, two epochs: the second epoch has steady-state
+    # steps enough for a throughput (compare.MIN_STEADY_STEPS)
+    result, uri = sweep(
+        tmp,
+        "parallelism=ddp",
+        "parallelism.nprocs=1,2",
+        "precision=fp32,amp",
+        "data.num_train=1024",
+        "max_steps_per_epoch=16",
+    )
     assert result.returncode == 0, output_of(result)
     return tmp, uri, result
 
@@ -73,11 +98,11 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_job(grid_sweep):
     assert parent.data.params["parallelism.nprocs"] == "1,2"
     assert parent.data.params["precision"] == "fp32,amp"
     assert parent.data.tags["sweep_dir"] == str(tmp / "sweep")
-    assert sorted(r.info.run_name for r in children) == [
-        "simple_cnn-ddp-amp",
-        "simple_cnn-ddp-fp32",
-        "simple_cnn-ddp-np2-amp",
-        "simple_cnn-ddp-np2-fp32",
+    assert sorted(r.info.run_name for r in children) == [  # what the jobs differ in first
+        "np1 amp simple_cnn-ddp",
+        "np1 fp32 simple_cnn-ddp",
+        "np2 amp simple_cnn-ddp",
+        "np2 fp32 simple_cnn-ddp",
     ]
     for child in children:  # the np2 children were logged by a worker process, not this job
         assert child.info.status == "FINISHED"
@@ -127,6 +152,90 @@ def test_a_sweep_through_submitit_logs_its_children_under_the_parent(tmp_path):
     parent, children = runs_of(uri)
     assert parent.info.status == "FINISHED"
     assert sorted(r.data.tags["precision"] for r in children) == ["bf16", "fp32"]
+
+
+# --- report.html ---------------------------------------------------------------------------
+
+
+class Page(HTMLParser):
+    """What a browser would show of a page: its tables' cells, its images' sources, its text."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.tables: list[list[list[str]]] = []  # table -> row -> cell text
+        self.images: list[str] = []
+        self.text: list[str] = []
+        self.in_cell = False
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self.tables[-1][-1].append("")
+            self.in_cell = True
+        elif tag == "img":
+            self.images.append(dict(attrs)["src"])
+        elif tag in ("script", "link", "iframe"):
+            raise AssertionError(f"<{tag}> in a page meant to need nothing else")
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th"):
+            self.in_cell = False
+
+    def handle_data(self, data):
+        self.text.append(data)
+        if self.in_cell:
+            self.tables[-1][-1][-1] += data
+
+
+def fake_row(name: str, status: str = "FINISHED", **figures) -> Row:
+    return Row(name, f"id-{name}", status, "ddp", 2, "amp", "eager", "simple_cnn", "synthetic",
+               **figures)  # fmt: skip
+
+
+def test_report_html_holds_the_tables_notes_and_plots_and_escapes_text(tmp_path):
+    rows = [
+        fake_row("fp32", samples_per_s=1234.5678, speedup=1.0, best_val_acc=0.91234),
+        fake_row("<script>alert(1)</script>", note="too short to measure: 4 steady steps < 10"),
+        fake_row("broken", status="FAILED"),
+    ]
+    rungs = [
+        LadderRow(0, "fp32", "FINISHED", "r0", "id0", "fp32", "eager", "simple_cnn", "synthetic",
+                  samples_per_s=100.0),
+        LadderRow(1, "tf32", "FINISHED", "r1", "id1", "fp32", "tf32", "simple_cnn", "synthetic",
+                  samples_per_s=150.0, gain_vs_previous=1.5, previous_rung="fp32"),
+    ]  # fmt: skip
+    png = tmp_path / "throughput.png"
+    png.write_bytes(PNG_MAGIC + b"pixels")
+    (tmp_path / "summary.csv").write_text("not a picture")
+
+    path = write_html("Sweep <a&b>", rows, tmp_path / "out", rungs, [png, tmp_path / "summary.csv"])
+
+    text = path.read_text()
+    assert path.name == "report.html" and text.startswith("<!DOCTYPE html>")
+    assert "<script>" not in text and "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    page = Page(text)
+    runs, ladder = page.tables
+    shown = RUNS.shown(rows)
+    assert runs[0] == list(shown.values())
+    assert runs[1:] == [[RUNS.cell(key, getattr(row, key)) for key in shown] for row in rows]
+    assert runs[1][list(shown).index("samples_per_s")] == "1234.6"
+    assert ladder[1:] == [
+        [LADDER.cell(key, getattr(rung, key)) for key in LADDER.shown(rungs)] for rung in rungs
+    ]
+    assert "1.50×" in ladder[2]
+    words = " ".join("".join(page.text).split())
+    assert "Sweep <a&b>" in words
+    assert "<script>alert(1)</script>: too short to measure: 4 steady steps < 10" in words
+    assert "fp32:" not in words  # a row without a note has no line
+    assert page.images == [f"data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()}"]
+    assert 'class="failed"' in text
+
+    plain = Page(write_html("Sweep", rows[:1], tmp_path / "plain").read_text())
+    assert len(plain.tables) == 1 and plain.images == []  # no ladder, no plots: no sections
 
 
 # --- a real MLflow server ------------------------------------------------------------------
@@ -188,10 +297,8 @@ def test_the_server_serves_the_sweep_over_its_rest_api(mlflow_server):
 
 def chromium(*args: str, user_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [shutil.which("chromium") or "/usr/bin/chromium", "--headless", "--no-sandbox",
-         "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-         "--no-first-run", f"--user-data-dir={user_dir}", "--window-size=1600,1000",
-         "--virtual-time-budget=20000", *args],
+        [CHROMIUM, "--headless", *CHROMIUM_ARGS, f"--user-data-dir={user_dir}",
+         "--window-size=1600,1000", "--virtual-time-budget=20000", *args],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
@@ -217,6 +324,47 @@ def test_the_mlflow_ui_shows_the_runs_in_a_real_browser(mlflow_server, grid_swee
         user_dir=tmp_path / "profile2",
     )
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_sweeps_html_report_opens_in_the_mlflow_ui(mlflow_server, grid_sweep):
+    _, uri, result = grid_sweep
+    parent, children = runs_of(uri)
+    run_page = f"#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}"
+    route = f"{run_page}/artifacts/report/report.html"
+    assert route in output_of(result), "the sweep's end links straight to its report"
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1000})
+            page.goto(f"{mlflow_server}/{route}")
+            # MLflow's artifact viewer renders an HTML artifact in a sandboxed frame of its own
+            frame_element = page.wait_for_selector("iframe.mlflow-html-iframe", timeout=60_000)
+            frame = frame_element.content_frame()
+            frame.wait_for_selector("table tbody tr", timeout=60_000)
+            header = frame.locator("table").first.locator("thead th").all_inner_texts()
+            table = {
+                cells[0]: dict(zip(header, cells, strict=True))
+                for tr in frame.locator("table").first.locator("tbody tr").all()
+                if (cells := tr.locator("td").all_inner_texts())
+            }
+            images = frame.evaluate(
+                "Array.from(document.images, i => i.complete && i.naturalWidth > 0)"
+            )
+            SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+            shot = SCREENSHOTS / "mlflow-ui-sweep-report.png"
+            page.screenshot(path=str(shot))
+        finally:
+            browser.close()
+
+    assert sorted(table) == sorted(child.info.run_name for child in children)
+    for child in children:  # the figures MLflow holds, as the report's table formats them
+        row = table[child.info.run_name]
+        metrics = child.data.metrics
+        assert row["best val acc"] == RUNS.cell("best_val_acc", metrics["best_val_acc"])
+        assert row["test acc"] == RUNS.cell("test_acc", metrics["test_acc"])
+        assert float(row["samples/s"]) > 0, row
+    assert len(images) >= 2 and all(images), "every plot is embedded and decodes"
+    assert shot.read_bytes()[:8] == PNG_MAGIC
 
 
 def test_a_run_logs_to_the_server_over_http(mlflow_server, tmp_path):

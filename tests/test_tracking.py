@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
 import os
 import subprocess
@@ -14,9 +16,11 @@ from conftest import REPO, compose_config, new_store, only_run
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
+from accelexp.data import build_data
 from accelexp.engine import Trainer
+from accelexp.models import build_model
 from accelexp.tracking import Tracker, flatten
-from accelexp.tracking.runs import MAX_PARAM_VALUE
+from accelexp.tracking.runs import MAX_PARAM_VALUE, significant
 from accelexp.train import run
 
 EPOCH_METRICS = (
@@ -28,6 +32,7 @@ EPOCH_METRICS = (
     "epoch_time_s",
     "samples_per_s",
     "samples_per_s_per_device",
+    "timed_steps",
     "peak_mem_mb",
 )
 OVERRIDES = ["epochs=2", "target_accuracy=0.05", "mlflow.log_checkpoint=true"]
@@ -73,6 +78,36 @@ def test_tags_say_what_was_compared(tracked):
     assert tags["model"] == "simple_cnn"
     assert tags["data"] == "synthetic"
     assert tags["overrides"] == " ".join(OVERRIDES)
+    assert tags["device"] == "cpu"  # the report's plot titles name it
+
+
+def test_the_training_set_is_a_run_input(tracked):
+    """The MLflow UI's Dataset column: the set's name, a digest of what identifies it, its
+    source, used for training."""
+    cfg, _, _, mlrun = tracked
+    (logged,) = mlrun.inputs.dataset_inputs
+    assert logged.dataset.name == "synthetic"
+    assert len(logged.dataset.digest) == 8
+    assert logged.dataset.source_type == "code"  # generated in memory
+    source = json.loads(logged.dataset.source)["tags"]
+    assert source["code"] == "accelexp.data.sources.make_synthetic"
+    assert (source["train"], source["image_size"]) == ("461", str(cfg.data.image_size))
+    assert [(t.key, t.value) for t in logged.tags] == [("mlflow.data.context", "training")]
+
+
+def test_a_data_set_read_from_a_folder_is_sourced_there_and_digested_by_what_it_is(
+    compose_cfg, tracking_uri, tmp_path
+):
+    tracker = Tracker(compose_cfg().mlflow)
+    tracker.connect()
+    tracker.start("datasets", {}, {})
+    tracker.log_dataset("cifar10", {"train": 45000, "val": 5000}, tmp_path)
+    tracker.log_dataset("cifar10", {"train": 40000, "val": 10000}, tmp_path)
+    tracker.end()
+    first, second = only_run(tracking_uri).inputs.dataset_inputs
+    assert first.dataset.source_type == second.dataset.source_type == "local"
+    assert json.loads(first.dataset.source) == {"uri": tmp_path.resolve().as_uri()}
+    assert first.dataset.digest != second.dataset.digest  # other splits: another data set
 
 
 def test_one_value_per_epoch_for_each_epoch_metric(tracked):
@@ -94,7 +129,7 @@ def test_final_metrics_match_what_run_returned(tracked):
     logged = mlrun.data.metrics
     for key in ("best_val_acc", "test_acc", "test_loss", "total_time_s", "time_to_target_s"):
         assert key in logged, key
-        assert logged[key] == pytest.approx(metrics[key]), key
+        assert logged[key] == metrics[key], key  # what run() returns is what MLflow shows
     assert 0 <= logged["time_to_target_s"] <= logged["total_time_s"]
     assert logged["best_val_acc"] >= 0.05  # the target of 0.05 was reached
 
@@ -110,7 +145,45 @@ def test_artifacts_hold_the_resolved_config_and_the_checkpoint(tracked, tmp_path
     assert "checkpoints/best.pt" in {a.path for a in client.list_artifacts(run_id, "checkpoints")}
     best = client.download_artifacts(run_id, "checkpoints/best.pt", str(tmp_path))
     state = torch.load(best, weights_only=True)
-    assert state["val_acc"] == pytest.approx(mlrun.data.metrics["best_val_acc"])
+    assert significant(state["val_acc"]) == mlrun.data.metrics["best_val_acc"]
+
+
+def test_metrics_are_kept_to_five_significant_digits(tracked):
+    _, _, client, mlrun = tracked
+    values = [m.value for key in mlrun.data.metrics for m in client.get_metric_history(
+        mlrun.info.run_id, key)]  # fmt: skip
+    assert all(value == significant(value) for value in values)
+    assert significant(0.1234567890123) == 0.12346
+    assert significant(123456.789) == 123460.0
+    assert significant(1.23456789e-9) == 1.2346e-9  # small is not 0
+    assert significant(0.0) == 0.0
+    assert math.isnan(significant(float("nan")))
+    assert significant(float("inf")) == float("inf")
+
+
+def test_the_best_model_is_logged_with_mlflow_pytorch_and_loads_back(
+    compose_cfg, tracking_uri, tmp_path
+):
+    """mlflow.log_model=true: the best checkpoint's weights as an MLflow model (the UI's Models
+    column), loaded back by `mlflow.pytorch.load_model`, computing what the checkpoint does."""
+    import mlflow
+    import mlflow.pytorch
+
+    cfg = compose_cfg("mlflow.log_model=true")
+    run(cfg, tmp_path / "out")
+    mlrun = only_run(tracking_uri)
+    (logged,) = mlrun.outputs.model_outputs
+    model_info = MlflowClient(tracking_uri).get_logged_model(logged.model_id)
+    assert model_info.experiment_id == mlrun.info.experiment_id  # with its run, not in ./mlruns
+    assert model_info.artifact_location.startswith((tmp_path / "mlartifacts").as_uri())
+    mlflow.set_tracking_uri(tracking_uri)
+    loaded = mlflow.pytorch.load_model(f"models:/{logged.model_id}")
+    data = build_data(cfg.data, cfg.seed)
+    model = build_model(cfg.model, data.in_channels, data.num_classes, data.image_size)
+    model.load_state_dict(torch.load(tmp_path / "out/checkpoints/best.pt")["model"])
+    images = torch.rand(4, data.in_channels, data.image_size, data.image_size)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(images), model.eval()(images))
 
 
 def test_no_target_no_checkpoint_and_a_chosen_name(compose_cfg, tracking_uri, tmp_path):
@@ -123,6 +196,7 @@ def test_no_target_no_checkpoint_and_a_chosen_name(compose_cfg, tracking_uri, tm
     assert "test_acc" in mlrun.data.metrics
     client = MlflowClient(tracking_uri=tracking_uri)
     assert client.list_artifacts(mlrun.info.run_id, "checkpoints") == []
+    assert mlrun.outputs.model_outputs == []  # mlflow.log_model is off by default
     assert (tmp_path / "out" / "checkpoints" / "best.pt").is_file()  # kept on disk all the same
 
 
@@ -270,15 +344,51 @@ def test_a_write_waits_out_a_store_locked_by_another_writer(compose_cfg, trackin
     assert run_.info.status == "FINISHED"
 
 
-def test_sweep_jobs_get_distinct_names(compose_cfg, monkeypatch):
+def test_sweep_jobs_are_named_by_what_they_vary_first(compose_cfg, monkeypatch):
+    """The MLflow UI cuts names at about 15 characters: a sweep job's name starts with its swept
+    values in short, then the rest of the derived name, so each row is told apart."""
     from accelexp.tracking.runs import SWEPT_KEYS_ENV, run_name
 
-    monkeypatch.setenv(SWEPT_KEYS_ENV, "optimizer.lr,precision")
-    cfg = compose_cfg("optimizer.lr=0.2", "precision=bf16")
-    name = run_name(cfg, overrides=["optimizer.lr=0.2", "precision=bf16", "epochs=1"])
-    assert name == "simple_cnn-single-bf16 optimizer.lr=0.2"  # precision is in the name already
-    monkeypatch.delenv(SWEPT_KEYS_ENV)
-    assert run_name(cfg, overrides=["optimizer.lr=0.2"]) == "simple_cnn-single-bf16"
+    monkeypatch.setenv(SWEPT_KEYS_ENV, "parallelism.nprocs,precision")
+    names = {
+        run_name(compose_cfg(*job), overrides=job)
+        for job in itertools.product(
+            ["parallelism=ddp"], ["parallelism.nprocs=1", "parallelism.nprocs=2"],
+            ["precision=fp32", "precision=amp"],
+        )
+    }  # fmt: skip
+    assert names == {
+        "np1 fp32 simple_cnn-ddp",
+        "np1 amp simple_cnn-ddp",
+        "np2 fp32 simple_cnn-ddp",
+        "np2 amp simple_cnn-ddp",
+    }
+    assert len({name[:15] for name in names}) == len(names)
+
+    monkeypatch.setenv(SWEPT_KEYS_ENV, "optimizer.lr,optimizer")
+    job = ["optimizer=adamw", "optimizer.lr=0.2", "precision=bf16", "epochs=1"]
+    name = run_name(compose_cfg(*job), overrides=job)
+    assert name == "lr=0.2 adamw simple_cnn-single-bf16"
+    chosen = compose_cfg("mlflow.run_name=mine")
+    assert run_name(chosen, overrides=["optimizer.lr=0.2"]) == "mine"  # the user's name wins
+
+    monkeypatch.delenv(SWEPT_KEYS_ENV)  # not in a sweep: the derived name, as it was
+    assert run_name(compose_cfg(*job), overrides=job) == "simple_cnn-single-bf16"
+
+
+def test_a_sweeps_end_links_to_its_report_in_the_ui(compose_cfg, tracking_uri):
+    """The route MLflow 3.17's UI opens an artifact by (`.../artifacts/<path>`), short enough
+    for one line: `Sweep done: 4 runs, 0 failed. Report: <link>`."""
+    from accelexp.tracking.runs import SWEEP_REPORT, end_sweep, start_sweep
+
+    cfg = compose_cfg()
+    run_id = start_sweep(cfg.mlflow, "sweep precision=fp32,amp", {"precision": "fp32,amp"}, "d")
+    children, failed, link = end_sweep(cfg.mlflow, run_id, artifact=SWEEP_REPORT)
+    experiment_id = only_run(tracking_uri).info.experiment_id
+    assert (children, failed) == (0, 0)
+    page = f"#/experiments/{experiment_id}/runs/{run_id}/artifacts/report/report.html"
+    assert link == f"http://127.0.0.1:5000/{page}"
+    assert len(f"Sweep done: 4 runs, 0 failed. Report: {link}") <= 150
 
 
 def test_a_store_that_stops_taking_writes_is_one_message(compose_cfg, tracking_uri):

@@ -1,16 +1,22 @@
 """Put the runs of a sweep or an experiment side by side: speedup, scaling efficiency, AMP gain,
-and for the speed-up ladder study each rung's gain over the last.
+and for the speed-up ladder study each rung's gain over the last — honestly: throughput from
+steady-state steps only (a run too short to measure says so), comparisons like for like only (a
+refused one says why, under the table).
 
     accelexp-report --experiment scaling
+    accelexp-report --experiment scaling --wide
     accelexp-report --sweep latest --format markdown
     accelexp-report --sweep <parent run id> --baseline "world_size=1,precision=fp32,parallelism=ddp"
     accelexp-report --experiment speedups --sweep latest
     accelexp-report --sweep latest --diagnose
 
-- `compare` — one `Row` per run: throughput, speedup against a baseline, efficiency, AMP gain.
+- `compare` — one `Row` per run: steady-state throughput, speedup against a like-for-like
+  baseline, efficiency, AMP gain over a like-for-like fp32 run; `Row.note` says why a figure is
+  blank.
 - `ladder` — one `LadderRow` per rung of `+experiment=speedups`: gain over the last, over fp32.
 - `diagnose` — one `DiagnosisRow` per run: its step time's shares, its bound, the next override.
-- `formats` — CSV, JSON, markdown and rich tables of any of them; summary/ladder/diagnosis files.
+- `formats` — CSV, JSON, markdown and rich tables of any of them (the rich ones at a glance in
+  100 columns, or `--wide`); summary/ladder/diagnosis files.
 - `plots` — the PNGs: throughput, efficiency, accuracy vs time, the ladder's bars, time breakdown.
 - `cli` — `main` (the `accelexp-report` command) and `write_sweep_report` (a sweep's own report).
 
@@ -30,17 +36,22 @@ from accelexp.report.compare import (
     COLUMNS,
     CONFIG_KEYS,
     DEFAULT_BASELINE,
+    MIN_STEADY_STEPS,
     BaselineError,
     Row,
     compare,
+    measure,
     parse_baseline,
     throughput,
 )
 from accelexp.report.diagnose import DIAGNOSIS_COLUMNS, SEGMENTS, DiagnosisRow, diagnose
 from accelexp.report.formats import (
+    BRIEF_WIDTH,
     DIAGNOSIS,
     LADDER,
+    LADDER_BRIEF,
     RUNS,
+    RUNS_BRIEF,
     Layout,
     render_table,
     to_csv,
@@ -60,6 +71,7 @@ from accelexp.report.plots import (
 
 __all__ = [
     "BASELINE_KEYS",
+    "BRIEF_WIDTH",
     "COLUMNS",
     "CONFIG_KEYS",
     "DEFAULT_BASELINE",
@@ -68,11 +80,14 @@ __all__ = [
     "DIAGNOSIS_COLUMNS",
     "FORMATS",
     "LADDER",
+    "LADDER_BRIEF",
     "LADDER_COLUMNS",
     "LADDER_PLOT",
+    "MIN_STEADY_STEPS",
     "PLOT_NAMES",
     "RUNG_NAMES",
     "RUNS",
+    "RUNS_BRIEF",
     "SEGMENTS",
     "TIME_PLOT",
     "BaselineError",
@@ -85,6 +100,7 @@ __all__ = [
     "diagnose",
     "ladder",
     "main",
+    "measure",
     "parse_baseline",
     "plot_ladder",
     "plot_time_breakdown",

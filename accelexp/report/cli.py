@@ -1,9 +1,12 @@
 """The entry points: the `accelexp-report` command and the report a sweep writes when it ends.
 
 Both select runs (an experiment, a sweep's children), compare them, and write the tables and
-plots; the command also prints the tables in the `--format` asked for. With runs of the speed-up
-ladder in the selection, the ladder follows the main table everywhere: a second rich table, a
-second markdown table under a heading, a second CSV block after a blank line, and in JSON
+plots; the command also prints the tables in the `--format` asked for: the rich table shows the
+columns a user needs at a glance in at most 100 characters (`RUNS_BRIEF`), `--wide` every column;
+csv, markdown and json always carry every column. Under every table, the figures left blank and
+why (a run too short to measure, a comparison refused as not like for like). With runs of the
+speed-up ladder in the selection, the ladder follows the main table everywhere: a second rich
+table, a second markdown table under a heading, a second CSV block after a blank line, and in JSON
 `{"runs": [...], "ladder": [...]}` (a selection without a ladder keeps the plain list of runs).
 
 With `--diagnose` the command reports where each run's step time went instead: the diagnosis
@@ -24,14 +27,19 @@ from accelexp.errors import AccelexpError
 from accelexp.report.compare import (
     BASELINE_KEYS,
     DEFAULT_BASELINE,
+    MIN_STEADY_STEPS,
     Row,
     compare,
     parse_baseline,
 )
 from accelexp.report.diagnose import DiagnosisRow, diagnose, footnote
 from accelexp.report.formats import (
+    BRIEF_WIDTH,
     DIAGNOSIS,
     LADDER,
+    LADDER_BRIEF,
+    RUNS,
+    RUNS_BRIEF,
     diagnosis_markdown,
     render_table,
     to_csv,
@@ -41,6 +49,7 @@ from accelexp.report.formats import (
     write_diagnosis_tables,
     write_tables,
 )
+from accelexp.report.html import write_html
 from accelexp.report.ladder import LadderRow, ladder, ladder_subject
 from accelexp.report.plots import LADDER_PLOT, PLOT_NAMES, TIME_PLOT, write_plots, write_time_plot
 from accelexp.tracking import query
@@ -54,17 +63,22 @@ DIAGNOSIS_WIDTH = 100  # the diagnosis table's rich width at most (it folds long
 def write_sweep_report(
     tracking_uri: str, sweep_run_id: str, out_dir: Path, baseline: str = DEFAULT_BASELINE
 ) -> list[Path]:
-    """summary.csv, summary.md and the plots of a sweep (and ladder.csv, ladder.md, ladder.png
-    when its runs are rungs of the speed-up ladder), logged under `report/` of its parent run.
+    """summary.csv, summary.md, the plots and report.html of a sweep (and ladder.csv, ladder.md,
+    ladder.png when its runs are rungs of the speed-up ladder), logged under `report/` of its
+    parent run: MLflow's artifact viewer shows report/report.html, tables and plots, on the
+    parent run's page.
 
     Called at the end of every sweep, so a sweep without a baseline run still gets its table
     (speedup and efficiency left blank) instead of an error.
     """
     out_dir = Path(out_dir)
+    parent = query.run_record(tracking_uri, sweep_run_id)
     records = query.child_runs(tracking_uri, sweep_run_id)
     rows = compare(records, baseline, strict=False)
     rungs = ladder(records)
     paths = write_tables(rows, out_dir, rungs) + write_plots(rows, records, out_dir, rungs)
+    title = f"{parent.name} ({sweep_run_id})"  # the name says "sweep ..." already
+    paths.append(write_html(title, rows, out_dir, rungs, paths, f"Baseline: {baseline}"))
     query.log_artifacts(tracking_uri, sweep_run_id, paths, "report")
     return paths
 
@@ -104,11 +118,18 @@ def _select(args: argparse.Namespace) -> tuple[str, str, list[RunRecord]]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="accelexp-report",
-        description="Compare the runs of an experiment or a sweep: throughput, speedup, scaling "
-        "efficiency, AMP gain, accuracy and memory; writes summary.csv/.md and plots. Runs of "
-        "the speed-up ladder (+experiment=speedups) also get the ladder: ladder.csv/.md/.png.",
+        description="Compare the runs of an experiment or a sweep: steady-state throughput,\n"
+        "speedup, scaling efficiency, AMP gain, accuracy and memory; writes summary.csv/.md\n"
+        "and plots. Runs of the speed-up ladder (+experiment=speedups) also get the ladder:\n"
+        "ladder.csv/.md/.png.\n\n"
+        "Throughput leaves out warm-up; a run with fewer than "
+        f"{MIN_STEADY_STEPS} steady (timed) steps is too\n"
+        "short to measure. Speedup compares runs that differ only in parallelism, world size,\n"
+        "precision and the keys --baseline names; AMP gain, runs that differ only in precision.\n"
+        "Every figure left blank is listed under the table with the reason.",
         epilog="examples:\n  accelexp-report --experiment scaling\n"
         "  accelexp-report --sweep latest --format markdown\n"
+        "  accelexp-report --experiment scaling --wide\n"
         '  accelexp-report --sweep latest --baseline "world_size=1,precision=fp32,'
         'parallelism=ddp"\n'
         "  accelexp-report --experiment speedups --sweep latest\n"
@@ -131,7 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_BASELINE,
         help=f"key=value,... over {', '.join(BASELINE_KEYS)} (default: %(default)s)",
     )
-    parser.add_argument("--format", choices=FORMATS, default="table", help="stdout format")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="table",
+        help="stdout format (default: %(default)s, the main columns in 100 characters; csv, "
+        "markdown and json carry every column)",
+    )
+    parser.add_argument(
+        "--wide", action="store_true", help="the table with every column, however wide"
+    )
     parser.add_argument(
         "--output-dir", type=Path, help="default: outputs/reports/<sweep or experiment name>"
     )
@@ -146,21 +176,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print_tables(rows: Sequence[Row], rungs: Sequence[LadderRow], title: str, fmt: str) -> None:
-    """The main table, then the ladder's when there is one, in the format asked for."""
+def _print_tables(
+    rows: Sequence[Row], rungs: Sequence[LadderRow], title: str, fmt: str, wide: bool = False
+) -> None:
+    """The main table, then the ladder's when there is one, in the format asked for; rich tables
+    at a glance (`RUNS_BRIEF`, `LADDER_BRIEF`: at most `BRIEF_WIDTH` wide) unless `wide`."""
     ladder_title = f"Speed-up ladder: {ladder_subject(rungs)}"
     if fmt == "table":
         from rich.console import Console
 
-        tables = [render_table(rows, title)]
+        tables = [render_table(rows, title, RUNS if wide else RUNS_BRIEF)]
         if rungs:
-            tables.append(render_table(rungs, ladder_title, LADDER))
+            tables.append(render_table(rungs, ladder_title, LADDER if wide else LADDER_BRIEF))
         console = Console()
-        if not console.is_terminal:  # a pipe or a file: the whole table, however wide
-            width = max(Console(width=10_000).measure(t).maximum for t in tables)
+        if not console.is_terminal:  # a pipe or a file: no terminal's width to fit
+            width = BRIEF_WIDTH
+            if wide:  # the whole table, however wide
+                width = max(Console(width=10_000).measure(t).maximum for t in tables)
             console = Console(width=width)
         for table in tables:
-            console.print(table)
+            console.print(table, width=console.width if wide else min(console.width, BRIEF_WIDTH))
     elif fmt == "json" and rungs:
         document = {"runs": to_records(rows), "ladder": to_records(rungs)}
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
@@ -208,8 +243,9 @@ def _comparison(
     written = write_tables(rows, out_dir, rungs)
     if not args.no_plots:
         written += write_plots(rows, records, out_dir, rungs)
+    written.append(write_html(title, rows, out_dir, rungs, written, f"Baseline: {args.baseline}"))
 
-    _print_tables(rows, rungs, f"{title} — baseline {args.baseline}", args.format)
+    _print_tables(rows, rungs, f"{title} — baseline {args.baseline}", args.format, args.wide)
     plots = [*PLOT_NAMES, LADDER_PLOT] if rungs else list(PLOT_NAMES)
     _tell_written(written, out_dir, [] if args.no_plots else plots)
     for row in rows:

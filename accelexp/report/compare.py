@@ -1,10 +1,26 @@
 """The comparison: one `Row` per run, with its throughput, speedup, scaling efficiency, AMP gain.
 
-Throughput is the median `samples_per_s` of the epochs after the first (the first pays for
-warm-up: allocator, cuDNN autotuning, process start); a one-epoch run uses its only epoch. Speedup
-divides it by the baseline run's, preferring a baseline of the same model, data, speed switches and
-parallelism; scaling efficiency is speedup per added worker; AMP gain divides a mixed-precision
-row's throughput by the fp32 run of the same parallelism, world size, model, data and speed.
+Throughput is steady-state only. The engine leaves the warm-up steps of a run's first trained
+epoch out of its timing and logs per epoch how many steps it timed (`timed_steps`); a run's
+throughput is the median `samples_per_s` of its epochs after the first (those pay no warm-up at
+all), else its only epoch's. Below `MIN_STEADY_STEPS` timed steps in the epochs used there is no
+figure but a note saying so: under ten steps, one-off costs still inside the timing (an epoch's
+first batch, its final synchronisation, one stray slow step) move the figure by 10 % or more,
+enough to fake a gain. A run logged before `timed_steps` existed keeps the rule of its time when
+it has several epochs; its only epoch, warm-up included, gets no figure.
+
+Comparisons are like for like. Speedup divides a row's throughput by its baseline's: a finished
+run matching `--baseline` that differs from the row only in what scaling varies — the
+parallelism, the world's shape and the precision (`SPEEDUP_VARIES`), and what `--baseline` names
+(`speed=eager` makes speedup the gain of the speed switches too); of several, the one of the
+same parallelism, then the newest. Scaling efficiency is speedup per added worker. AMP gain divides
+a mixed-precision row's throughput by an fp32 run that differs from it in the precision only
+(`AMP_VARIES`). "Differs" is read from everything a run logs about itself: its params (the whole
+resolved config, the world's shape, the torch version, where the data lives), its config tags and
+its `device` tag — except the keys that cannot change speed (`IGNORED_KEYS`, `IGNORED_PREFIXES`:
+tracking, seed, progress output, evaluation-only sizes, facts derived from the model and data).
+A key only one of two runs logged is not compared (it did not exist yet). When no like-for-like run
+exists the figure stays blank and `Row.note` says why, naming the nearest run and how it differs.
 
 Pure: records in, rows out. A run from before a setting existed reads as that setting's default
 (`SETTING_DEFAULTS`: no `speed` tag is `eager`).
@@ -12,6 +28,7 @@ Pure: records in, rows out. A run from before a setting existed reads as that se
 
 from __future__ import annotations
 
+import re
 import statistics
 import sys
 from collections.abc import Mapping, Sequence
@@ -27,6 +44,31 @@ PARALLELISM_ORDER = ("single", "dp", "ddp", "horovod", "model", "hybrid")
 PRECISION_ORDER = ("fp32", "amp", "bf16")
 SPEED_ORDER = ("eager",)  # then the others alphabetically
 SETTING_DEFAULTS = {"speed": "eager"}  # what runs logged before the setting existed had
+MIN_STEADY_STEPS = 10  # timed steps a throughput needs, over the epochs it uses (module doc)
+
+# --- what "like for like" compares --------------------------------------------------------------
+# not compared: where runs are tracked, their seed (same speed, other numbers), how they report
+# progress, evaluation-only sizes, where data is read from, facts that follow from the model and
+# data config (which is compared), and the device asked for (`auto`: the device used is compared,
+# as the params `device_type` and the tag `device`)
+IGNORED_KEYS = frozenset(
+    {"seed", "resume", "progress", "log_every_n_steps", "target_accuracy", "data.root",
+     "data.download", "data.eval_batch_size", "data.num_test", "num_params", "train_samples",
+     "device"}
+)  # fmt: skip
+IGNORED_PREFIXES = ("mlflow.",)
+# params that repeat a config tag (compared as the tag)
+TAGGED_PARAMS = {"model.name", "data.name", "parallelism.name", "precision.name", "world_size"}
+COMPARED_TAGS = (*CONFIG_KEYS, "device")  # "device": the tag only, e.g. "NVIDIA H200"
+# the world's shape: what scaling changes (besides parallelism.*), from Strategy.describe()
+# the world's shape, and how a CPU's cores are split among its workers (`threads`: left unset,
+# the launcher gives each of N workers 1/N of the cores, so 1 and 2 workers differ in it)
+WORLD_FACTS = re.compile(r"(world_size|replicas|devices_per_replica|num_devices|stages|"
+                         r"split_points|stage\d+_\w+|threads)")  # fmt: skip
+PRECISION_KEYS = re.compile(r"precision(\..+)?")
+SPEEDUP_VARIES = re.compile(rf"parallelism(\..+)?|{PRECISION_KEYS.pattern}|{WORLD_FACTS.pattern}")
+AMP_VARIES = PRECISION_KEYS
+SHOWN_DIFFERENCES = 4  # differences a note names, then "and N more"
 
 
 class BaselineError(AccelexpError):
@@ -46,6 +88,7 @@ class Row:
     speed: str
     model: str
     data: str
+    device: str = ""  # the run's `device` tag, e.g. "cpu", "NVIDIA H200"; blank when absent
     samples_per_s: float | None = None
     speedup: float | None = None
     scaling_efficiency: float | None = None
@@ -56,6 +99,12 @@ class Row:
     compile_s: float | None = None
     peak_mem_mb: float | None = None
     baseline_run: str | None = None
+    note: str = ""  # why a figure is blank: too short to measure, no like-for-like run
+
+    @property
+    def label(self) -> str:
+        """The run's name, with its status when it did not finish."""
+        return self.run_name if self.status == "FINISHED" else f"{self.run_name} ({self.status})"
 
 
 COLUMNS = tuple(f.name for f in fields(Row))
@@ -71,12 +120,33 @@ def matches(record: RunRecord, selector: Mapping[str, str]) -> bool:
     return all(setting(record, key) == value for key, value in selector.items())
 
 
-def throughput(record: RunRecord) -> float | None:
-    """Median samples/s over the epochs after the first; the only epoch if there is one."""
+def measure(record: RunRecord) -> tuple[float | None, str]:
+    """(steady-state samples/s, "") or (None, why there is none); see the module doc."""
     values = [value for _, value in record.history("samples_per_s")]
     if not values:
-        return None
-    return statistics.median(values[1:] or values)
+        return None, "no samples_per_s logged"
+    used = values[1:] or values
+    # the last epoch's timed steps: an epoch after the first times all its steps, so every one
+    # of `used` timed as many (a one-epoch run: the steps after warm-up)
+    timed = record.metrics.get("timed_steps")
+    if timed is None and len(values) == 1:
+        return None, (
+            "its only epoch includes warm-up (logged before timed_steps existed); "
+            "train 2 epochs or more"
+        )
+    steady = int(timed) * len(used) if timed is not None else None
+    if steady is not None and steady < MIN_STEADY_STEPS:
+        return None, (
+            f"too short to measure: {steady} steady steps, need ≥ {MIN_STEADY_STEPS} "
+            f"(raise max_steps_per_epoch or epochs)"
+        )
+    return statistics.median(used), ""
+
+
+def throughput(record: RunRecord) -> float | None:
+    """Steady-state samples/s: the median of the epochs after the first, else the only epoch's
+    (warm-up left out); None when the run is too short to measure (`measure` says why)."""
+    return measure(record)[0]
 
 
 def peak_memory(record: RunRecord) -> float | None:
@@ -90,6 +160,37 @@ def world_size(record: RunRecord) -> int | None:
         return int(record.setting("world_size") or "")
     except ValueError:
         return None
+
+
+def comparable_settings(record: RunRecord) -> dict[str, str]:
+    """What a run was, for like-for-like checks: params and config tags, less `IGNORED_KEYS`."""
+    params = {
+        key: value
+        for key, value in record.params.items()
+        if key not in IGNORED_KEYS
+        and key not in TAGGED_PARAMS
+        and not key.startswith(IGNORED_PREFIXES)
+    }
+    tags = {key: value for key in CONFIG_KEYS if (value := setting(record, key))}
+    if device := record.tags.get("device"):
+        tags["device"] = device
+    return tags | params
+
+
+def differences(
+    a: Mapping[str, str], b: Mapping[str, str], varies: re.Pattern[str]
+) -> list[tuple[str, str, str]]:
+    """(key, a's value, b's value) of the keys both logged that differ and may not vary; the
+    config tags first, then the params alphabetically."""
+    keys = [k for k in a.keys() & b.keys() if a[k] != b[k] and not varies.fullmatch(k)]
+    return [(k, a[k], b[k]) for k in sorted(keys, key=lambda k: (k not in COMPARED_TAGS, k))]
+
+
+def differ_text(diffs: Sequence[tuple[str, str, str]]) -> str:
+    """`epochs (1 vs 3), data.batch_size (64 vs 128)`, at most SHOWN_DIFFERENCES of them."""
+    shown = ", ".join(f"{k} ({a} vs {b})" for k, a, b in diffs[:SHOWN_DIFFERENCES])
+    more = len(diffs) - SHOWN_DIFFERENCES
+    return shown + (f" and {more} more" if more > 0 else "")
 
 
 def describe(record: RunRecord) -> str:
@@ -147,17 +248,19 @@ def compare(
 ) -> list[Row]:
     """One row per run, sorted by parallelism, world size, precision and speed switches.
 
-    The baseline is a finished run matching every key of `baseline`; of several, the one sharing
-    the row's model, data, speed and parallelism (in that order of importance), then the newest.
-    With `strict`, no matching run is a `BaselineError` listing the configurations that exist;
-    otherwise speedup and efficiency stay blank.
+    The baseline is a finished run matching every key of `baseline` and like for like with the
+    row (module doc). With `strict`, no finished run matching `baseline` is a `BaselineError`
+    listing the configurations that exist (a selector that names nothing); otherwise speedup and
+    efficiency stay blank. Every figure left blank for want of a measurement or of a like-for-like
+    run has its reason in `Row.note`.
     """
     wanted = parse_baseline(baseline)
-    speed = {r.run_id: throughput(r) for r in records if r.status == "FINISHED"}
-    measured = [r for r in records if speed.get(r.run_id) is not None]
-    candidates = [r for r in measured if matches(r, wanted)]
+    measured = {r.run_id: measure(r) for r in records if r.status == "FINISHED"}
+    finished = [r for r in records if r.status == "FINISHED"]
+    candidates = [r for r in finished if matches(r, wanted)]
     if strict and not candidates:
         raise BaselineError(_no_baseline_message(records, wanted))
+    comparison = _Comparison(wanted, candidates, finished, measured)
 
     rows = []
     for record in records:
@@ -171,62 +274,101 @@ def compare(
             speed=setting(record, "speed") or "",
             model=setting(record, "model") or "",
             data=setting(record, "data") or "",
+            device=record.tags.get("device", ""),
         )
-        samples = speed.get(record.run_id)
-        if samples is not None:
-            _fill(row, record, samples, candidates, measured, speed)
+        if record.status == "FINISHED":
+            comparison.fill(row, record)
         rows.append(row)
     return sorted(rows, key=_sort_key)
 
 
-def _fill(
-    row: Row,
-    record: RunRecord,
-    samples: float,
-    candidates: list[RunRecord],
-    measured: list[RunRecord],
-    speed: dict[str, float | None],
-) -> None:
-    row.samples_per_s = samples
-    row.best_val_acc = record.metrics.get("best_val_acc")
-    row.test_acc = record.metrics.get("test_acc")
-    row.time_to_target_s = record.metrics.get("time_to_target_s")
-    row.compile_s = record.metrics.get("compile_s")
-    row.peak_mem_mb = peak_memory(record)
+@dataclass
+class _Comparison:
+    """What every row is compared against: the baseline candidates, the finished runs (for an
+    fp32 run) and each finished run's (throughput, why none)."""
 
-    if candidates:
-        # Most alike first, by how much a difference moves throughput: model and data by orders
-        # of magnitude, the speed switches by up to several times (so a tf32+cl row scales
-        # against a tf32+cl baseline, not against eager), the parallelism at the baseline's
-        # world size (single vs ddp vs horovod on one worker) by a few percent.
-        base = max(
-            candidates,
-            key=lambda c: (
-                setting(c, "model") == row.model,
-                setting(c, "data") == row.data,
-                setting(c, "speed") == row.speed,
-                setting(c, "parallelism") == row.parallelism,
-                c.start_time,
-            ),
+    wanted: dict[str, str]
+    candidates: list[RunRecord]
+    finished: list[RunRecord]
+    measured: dict[str, tuple[float | None, str]]
+
+    @property
+    def speedup_varies(self) -> re.Pattern[str]:
+        """SPEEDUP_VARIES and the keys the baseline selector names (with their `key.*`)."""
+        named = "|".join(re.escape(key) for key in self.wanted)
+        return re.compile(rf"{SPEEDUP_VARIES.pattern}|({named})(\..+)?")
+
+    def fill(self, row: Row, record: RunRecord) -> None:
+        samples, why = self.measured[record.run_id]
+        row.best_val_acc = record.metrics.get("best_val_acc")
+        row.test_acc = record.metrics.get("test_acc")
+        row.time_to_target_s = record.metrics.get("time_to_target_s")
+        row.compile_s = record.metrics.get("compile_s")
+        row.peak_mem_mb = peak_memory(record)
+        if samples is None:
+            row.note = why
+            return
+        row.samples_per_s = samples
+        notes = []
+        mine = comparable_settings(record)
+        selector = ",".join(f"{k}={v}" for k, v in self.wanted.items())
+        base, note = self.like_for_like(
+            record, mine, self.candidates, self.speedup_varies, "baseline",
+            f"no finished run matches the baseline {selector}",
+        )  # fmt: skip
+        if base is not None:
+            row.baseline_run = base.name
+            row.speedup = samples / self.measured[base.run_id][0]
+            base_world = world_size(base)
+            if row.world_size and base_world:
+                row.scaling_efficiency = row.speedup / (row.world_size / base_world)
+        else:
+            notes.append(note)
+        if row.precision != "fp32":
+            fp32_runs = [r for r in self.finished if setting(r, "precision") == "fp32"]
+            fp32, note = self.like_for_like(
+                record, mine, fp32_runs, AMP_VARIES, "fp32 run",
+                "no finished fp32 run to take an AMP gain over",
+            )  # fmt: skip
+            if fp32 is not None:
+                row.amp_gain = samples / self.measured[fp32.run_id][0]
+            else:
+                notes.append(note)
+        row.note = "; ".join(notes)
+
+    def like_for_like(
+        self,
+        record: RunRecord,
+        mine: dict[str, str],
+        others: list[RunRecord],
+        varies: re.Pattern[str],
+        what: str,
+        none: str,
+    ) -> tuple[RunRecord | None, str]:
+        """The run of `others` to compare with (same parallelism first, then the newest), or
+        (None, why not: `none` when there are no others, else none alike or none measured)."""
+        if not others:
+            return None, none
+        diffs = {r.run_id: differences(mine, comparable_settings(r), varies) for r in others}
+        alike = [r for r in others if not diffs[r.run_id]]
+        usable = [r for r in alike if self.measured[r.run_id][0] is not None]
+        parallelism = setting(record, "parallelism")
+        if usable:
+            return max(usable, key=lambda r: (setting(r, "parallelism") == parallelism,
+                                              r.start_time)), ""  # fmt: skip
+        if alike:
+            other = max(alike, key=lambda r: r.start_time)
+            why = self.measured[other.run_id][1]
+            return None, f"the like-for-like {what}, {other.name}, has no throughput: {why}"
+        nearest = min(
+            others,
+            key=lambda r: (len(diffs[r.run_id]), setting(r, "parallelism") != parallelism,
+                           -r.start_time),
+        )  # fmt: skip
+        return None, (
+            f"no like-for-like {what}: nearest ({nearest.name}) differs in "
+            f"{differ_text(diffs[nearest.run_id])}"
         )
-        row.baseline_run = base.name
-        row.speedup = samples / speed[base.run_id]
-        base_world = world_size(base)
-        if row.world_size and base_world:
-            row.scaling_efficiency = row.speedup / (row.world_size / base_world)
-
-    if row.precision != "fp32":
-        like_for_like = {k: getattr(row, k) for k in ("parallelism", "model", "data", "speed")}
-        same = [
-            r
-            for r in measured
-            if setting(r, "precision") == "fp32"
-            and matches(r, like_for_like)
-            and world_size(r) == row.world_size
-        ]
-        if same:
-            fp32 = max(same, key=lambda r: r.start_time)
-            row.amp_gain = samples / speed[fp32.run_id]
 
 
 def _no_baseline_message(records: Sequence[RunRecord], wanted: dict[str, str]) -> str:

@@ -1,10 +1,13 @@
 """The report's tables as text: CSV, JSON, GitHub markdown and a rich Table, and their files.
 
 One `Layout` per kind of row says which fields become columns and how a cell reads: `RUNS` for
-the main table (`compare.Row`), `LADDER` for the speed-up ladder (`ladder.LadderRow`), `DIAGNOSIS`
-for where each run's time went (`diagnose.DiagnosisRow`). CSV and JSON carry every field unrounded
-with blanks/null for missing figures; markdown and the rich table are rounded for reading, failed
-runs stand out.
+the main table (`compare.Row`) with every column, `RUNS_BRIEF` for the same rows at a glance in
+at most `BRIEF_WIDTH` columns (the default rich table; `accelexp-report --wide` prints `RUNS`),
+`LADDER` and `LADDER_BRIEF` for the speed-up ladder (`ladder.LadderRow`), `DIAGNOSIS` for where
+each run's time went (`diagnose.DiagnosisRow`). CSV and JSON carry every field unrounded with
+blanks/null for missing figures, the rows' notes included; markdown and the rich table are
+rounded for reading, failed runs stand out, and each row's note (why a figure is blank: too short
+to measure, a comparison refused as not like for like) is listed under the table.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from accelexp.report.compare import Row
 from accelexp.report.diagnose import DiagnosisRow, footnote
 from accelexp.report.ladder import LadderRow
 
+BRIEF_WIDTH = 100  # the default rich table's width at most
 LADDER_NAMES = ("ladder.csv", "ladder.md")
 DIAGNOSIS_NAMES = ("diagnosis.csv", "diagnosis.md")
 
@@ -39,6 +43,10 @@ class Layout:
     fold: frozenset[str] = frozenset()  # cells broken anywhere when too narrow, never cut
     widths: Mapping[str, int] = field(default_factory=dict)  # at most; a longer header wraps
     compact: bool = False  # no frame or column rules, columns two spaces apart
+    padding: int = 1  # spaces each side of a cell (compact: between two cells, plus one)
+    # the rows' notes, listed under the readable tables, each after its row's `label` attribute
+    note: str | None = None
+    label: str = "run_name"
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -50,8 +58,18 @@ class Layout:
         return {
             key: header
             for key, header in self.headers.items()
-            if key not in self.optional or any(getattr(row, key) is not None for row in rows)
+            if key not in self.optional or any(getattr(row, key) not in (None, "") for row in rows)
         }
+
+    def notes(self, rows: Sequence[Any]) -> list[str]:
+        """`<label>: <note>` of each row with a note."""
+        if self.note is None:
+            return []
+        return [
+            f"{getattr(row, self.label)}: {note}"
+            for row in rows
+            if (note := getattr(row, self.note))
+        ]
 
     def cell(self, key: str, value: Any) -> str:
         if value is None:
@@ -81,6 +99,7 @@ RUNS = Layout(
         "speed": "speed",
         "model": "model",
         "data": "data",
+        "device": "device",
         "samples_per_s": "samples/s",
         "speedup": "speedup",
         "scaling_efficiency": "efficiency",
@@ -94,7 +113,30 @@ RUNS = Layout(
     },
     display=RUNS_DISPLAY,
     numeric=frozenset(RUNS_DISPLAY) | {"world_size"},
-    optional=frozenset({"compile_s"}),
+    optional=frozenset({"compile_s", "device"}),
+    note="note",
+)
+RUNS_BRIEF = Layout(  # what a user needs at a glance: what the run was, how fast, how good
+    row_type=Row,
+    headers={
+        "label": "run",
+        "world_size": "workers",
+        "precision": "precision",
+        "samples_per_s": "samples/s",
+        "speedup": "speedup",
+        "scaling_efficiency": "efficiency",
+        "amp_gain": "AMP gain",
+        "best_val_acc": "best val acc",
+        "peak_mem_mb": "peak mem (MB)",
+    },
+    display=RUNS_DISPLAY,
+    numeric=RUNS.numeric,
+    fold=frozenset({"label"}),  # a long name breaks onto a second line, never cut
+    # "simple_cnn-horovod-np2-amp" and "12345.6" fit; two-word headers wrap
+    widths={"label": 26, "amp_gain": 5, "best_val_acc": 8, "peak_mem_mb": 8},
+    compact=True,
+    padding=0,  # columns one space apart
+    note="note",
 )
 LADDER_DISPLAY = {
     "samples_per_s": "{:.1f}",
@@ -122,6 +164,34 @@ LADDER = Layout(
     },
     display=LADDER_DISPLAY,
     numeric=frozenset(LADDER_DISPLAY) | {"rung_index", "vs_previous"},
+    note="note",
+    label="rung",
+)
+LADDER_BRIEF = Layout(  # the ladder at a glance, in at most BRIEF_WIDTH columns
+    row_type=LadderRow,
+    headers={
+        "rung_index": "#",
+        "label": "rung",
+        "precision": "precision",
+        "speed": "speed",
+        "samples_per_s": "samples/s",
+        "vs_previous": "vs previous rung",
+        "gain_vs_fp32": "vs fp32",
+        "compile_s": "compile (s)",
+        "best_val_acc": "best val acc",
+        "peak_mem_mb": "peak mem (MB)",
+    },
+    display=LADDER_DISPLAY,
+    numeric=LADDER.numeric,
+    optional=frozenset({"compile_s"}),
+    fold=frozenset({"label", "speed", "vs_previous"}),  # broken onto more lines, never cut
+    # "channels_last", "tf32+cl+comp" and "1.27× (vs tf32)" fit on a line; headers wrap
+    widths={"label": 13, "speed": 12, "vs_previous": 15, "gain_vs_fp32": 5}
+    | dict.fromkeys(["compile_s", "best_val_acc", "peak_mem_mb"], 8),
+    compact=True,
+    padding=0,
+    note="note",
+    label="rung",
 )
 DIAGNOSIS_SHARES = {
     "input_pct": "input %",
@@ -167,8 +237,11 @@ def to_records(rows: Sequence[Any]) -> list[dict[str, Any]]:
     return [asdict(row) for row in rows]
 
 
+NOTES_HEADING = "Figures left blank, and why:"
+
+
 def to_markdown(rows: Sequence[Any], layout: Layout = RUNS) -> str:
-    """A GitHub table, rounded for reading; failed runs in bold."""
+    """A GitHub table, rounded for reading; failed runs in bold; the rows' notes listed under it."""
     headers = layout.shown(rows)
     lines = [
         "| " + " | ".join(headers.values()) + " |",
@@ -182,17 +255,24 @@ def to_markdown(rows: Sequence[Any], layout: Layout = RUNS) -> str:
                 text = f"**{text}**"
             cells.append(text)
         lines.append("| " + " | ".join(cells) + " |")
+    notes = layout.notes(rows)
+    if notes:
+        lines += ["", NOTES_HEADING, "", *(f"- {note}" for note in notes)]
     return "\n".join(lines) + "\n"
 
 
 def render_table(
     rows: Sequence[Any], title: str | None = None, layout: Layout = RUNS, caption: str | None = None
 ) -> Any:
-    """A rich Table of the rows (print it with a rich Console), `caption` under it."""
+    """A rich Table of the rows (print it with a rich Console); under it `caption` and the
+    rows' notes."""
     from rich import box
     from rich.table import Table
 
     headers = layout.shown(rows)
+    notes = layout.notes(rows)
+    if notes:
+        caption = "\n".join(filter(None, [caption, NOTES_HEADING, *notes]))
     compact = {"box": box.SIMPLE_HEAD, "show_edge": False, "pad_edge": False}
     table = Table(
         title=title,
@@ -200,6 +280,7 @@ def render_table(
         caption_justify="left",
         header_style="bold",
         collapse_padding=layout.compact,
+        padding=(0, layout.padding),
         **(compact if layout.compact else {}),
     )
     for key, header in headers.items():

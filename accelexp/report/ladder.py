@@ -6,20 +6,33 @@ newest run of any status when none finished). A rung that failed, did not finish
 all is a row with blank figures and its status; the next rung's gain over the previous one is then
 taken over the last rung that was measured (`previous_rung` names it).
 
-Throughput is `compare.throughput` — the same median of the epochs after the first as the main
-table — so the ladder and the main table agree. Pure: records in, rows out.
+Throughput is `compare.measure` — the same steady-state figure as the main table, blank with a
+note when a rung's run is too short to measure — so the ladder and the main table agree. Gains are
+like for like: two rungs are compared only when their runs differ in nothing but the precision
+and the speed switches (`LADDER_VARIES`; everything else as `compare` reads it: model, data,
+batch, steps, ...); otherwise the gain stays blank and the rung's note says what differs. Pure:
+records in, rows out.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from accelexp.report.compare import peak_memory, setting, throughput
+from accelexp.report.compare import (
+    comparable_settings,
+    differ_text,
+    differences,
+    measure,
+    peak_memory,
+    setting,
+)
 from accelexp.tracking.query import RunRecord
 
 RUNG_NAMES = ("fp32", "tf32", "channels_last", "amp", "bf16", "compile")  # conf/rung, in order
 MISSING = "MISSING"  # the status of a rung with no run
+LADDER_VARIES = re.compile(r"(precision|speed)(\..+)?")  # what the rungs change
 
 
 @dataclass
@@ -43,6 +56,12 @@ class LadderRow:
     best_val_acc: float | None = None
     test_acc: float | None = None
     peak_mem_mb: float | None = None
+    note: str = ""  # why a figure is blank: too short to measure, a rung not like for like
+
+    @property
+    def label(self) -> str:
+        """The rung's name, with its status when its run did not finish."""
+        return self.rung if self.status == "FINISHED" else f"{self.rung} ({self.status})"
 
     @property
     def vs_previous(self) -> str | None:
@@ -91,8 +110,8 @@ def ladder(records: Sequence[RunRecord]) -> list[LadderRow]:
         return []
 
     rows: list[LadderRow] = []
-    previous: LadderRow | None = None  # the last rung with a throughput
-    fp32: LadderRow | None = None  # rung 0, when measured
+    previous: tuple[LadderRow, dict[str, str]] | None = None  # the last rung with a throughput
+    fp32: tuple[LadderRow, dict[str, str]] | None = None  # rung 0, when measured
     for index in range(max(runs_by_index) + 1):
         name = _rung_name(index, runs_by_index)
         runs = runs_by_index.get(index)
@@ -111,23 +130,41 @@ def ladder(records: Sequence[RunRecord]) -> list[LadderRow]:
             model=setting(record, "model"),
             data=setting(record, "data"),
         )
-        samples = throughput(record) if record.status == "FINISHED" else None
-        if samples is not None:
-            row.samples_per_s = samples
-            row.compile_s = record.metrics.get("compile_s")
-            row.best_val_acc = record.metrics.get("best_val_acc")
-            row.test_acc = record.metrics.get("test_acc")
-            row.peak_mem_mb = peak_memory(record)
-            if previous is not None and previous.samples_per_s:
-                row.gain_vs_previous = samples / previous.samples_per_s
-                row.previous_rung = previous.rung
-            if index == 0:
-                fp32 = row
-            if fp32 is not None and fp32.samples_per_s:
-                row.gain_vs_fp32 = samples / fp32.samples_per_s
-            previous = row
         rows.append(row)
+        if record.status != "FINISHED":
+            continue
+        samples, row.note = measure(record)
+        row.compile_s = record.metrics.get("compile_s")
+        row.best_val_acc = record.metrics.get("best_val_acc")
+        row.test_acc = record.metrics.get("test_acc")
+        row.peak_mem_mb = peak_memory(record)
+        if samples is None:
+            continue
+        row.samples_per_s = samples
+        mine = comparable_settings(record)
+        notes = []
+        if previous is not None:
+            gain, note = _gain(samples, mine, *previous)
+            row.gain_vs_previous, row.previous_rung = gain, previous[0].rung
+            notes.append(note)
+        if index == 0:
+            fp32 = (row, mine)
+        if fp32 is not None:
+            row.gain_vs_fp32, note = _gain(samples, mine, *fp32)
+            notes.append(note if note not in notes else "")
+        row.note = "; ".join(filter(None, notes))
+        previous = (row, mine)
     return rows
+
+
+def _gain(
+    samples: float, mine: dict[str, str], other: LadderRow, theirs: dict[str, str]
+) -> tuple[float | None, str]:
+    """(samples / other's throughput, "") when the two runs are like for like, else (None, why)."""
+    diffs = differences(mine, theirs, LADDER_VARIES)
+    if diffs:
+        return None, f"not like for like with rung {other.rung}: differs in {differ_text(diffs)}"
+    return samples / other.samples_per_s, ""
 
 
 def ladder_subject(rows: Sequence[LadderRow]) -> str:

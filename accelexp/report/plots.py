@@ -1,20 +1,40 @@
 """The report's plots as PNGs (matplotlib, Agg): throughput and scaling efficiency against workers,
-accuracy against time, the speed-up ladder's bars, and (with --diagnose) where each run's step time
-went."""
+the AMP gain's bars, accuracy against time, the speed-up ladder's bars, and (with --diagnose) where
+each run's step time went.
+
+Each plot has a builder (`*_figure`) that returns the matplotlib `Figure`, or None when there is
+nothing to plot, so a test can read the real figure; `write_plots` and `write_time_plot` save them.
+What makes them readable at a glance:
+
+- every series has its own colour and its own marker (`series_styles`: tab10 × 12 markers, so no
+  two of the first 60 series look alike, and the markers tell colours apart for colour-blind eyes);
+- the legend sits right of the axes, never on the data;
+- titles name the plotted model(s), data and device(s) (`title_subject`);
+- throughput, efficiency, gains and the time axis start at 0, so heights compare honestly;
+- each series' ideal-scaling line is dashed in the series' own colour, and their one legend entry
+  (IDEAL_LABEL) shows a dash in every series' colour;
+- series are nudged sideways (`_dodge`) so that equal points (amp and bf16 at one worker) both
+  show, and the AMP gain's precisions stand side by side.
+"""
 
 from __future__ import annotations
 
+import itertools
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from accelexp.report.compare import Row, setting
+from accelexp.report.compare import PRECISION_ORDER, Row
 from accelexp.report.diagnose import SEGMENTS, DiagnosisRow
 from accelexp.report.ladder import LadderRow, ladder_subject
 from accelexp.tracking.query import RunRecord
 
-PLOT_NAMES = ("throughput.png", "efficiency.png", "accuracy_vs_time.png")
+THROUGHPUT_PLOT = "throughput.png"
+EFFICIENCY_PLOT = "efficiency.png"
+AMP_GAIN_PLOT = "amp_gain.png"
+ACCURACY_PLOT = "accuracy_vs_time.png"
+PLOT_NAMES = (THROUGHPUT_PLOT, EFFICIENCY_PLOT, AMP_GAIN_PLOT, ACCURACY_PLOT)
 LADDER_PLOT = "ladder.png"
 TIME_PLOT = "time_breakdown.png"
 SEGMENT_COLOURS = {  # (bar, label on it): compute in blues, waiting in warm colours
@@ -25,10 +45,30 @@ SEGMENT_COLOURS = {  # (bar, label on it): compute in blues, waiting in warm col
     "comm": ("#e15759", "black"),
     "other": ("#bab0ac", "black"),
 }
-VARYING_KEYS = ("speed", "model", "data")  # named in a legend when they differ between runs
+VARYING_KEYS = ("speed", "model", "data", "device")  # in a legend when they differ between runs
+PALETTE = (  # matplotlib's tab10
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">", "*", "h", "p")
+HATCHES = ("", "//", "..", "xx", "\\\\", "--")  # bars told apart without their colour
+REFERENCE = {"color": "black", "linestyle": ":", "linewidth": 1.2}  # the 1.0 lines
+NAMED_AT_MOST = 2  # more distinct models (data, devices) than this are counted in a title
+DODGE = 0.3  # the sideways spread of all series, as a share of the smallest gap between workers
+DPI = 120
+IDEAL_LABEL = "dashed: ideal linear scaling"  # its legend dash comes in every series' colour
 
 
-def _figure(size: tuple[float, float] = (7, 4.5)) -> Any:
+# --- shared pieces ------------------------------------------------------------------------------
+def _figure(size: tuple[float, float] = (9, 4.8)) -> tuple[Any, Any]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -38,100 +78,276 @@ def _figure(size: tuple[float, float] = (7, 4.5)) -> Any:
     return figure, figure.add_subplot()
 
 
-def _varying(configs: Sequence[Mapping[str, str]]) -> tuple[str, ...]:
-    """The VARYING_KEYS in which the configurations differ (worth naming in a legend)."""
-    return tuple(k for k in VARYING_KEYS if len({c[k] for c in configs}) > 1)
+def _save(figure: Any | None, path: Path) -> Path | None:
+    if figure is None:
+        return None
+    figure.savefig(path, dpi=DPI)
+    return path
 
 
+def _legend_outside(figure: Any, entries: Sequence[tuple[Any, str]] = (), **options: Any) -> None:
+    """The legend right of the axes, top-aligned, so it never covers the data: the labelled
+    artists, or `entries` (handle, label) when given; a tuple handle draws its artists side by
+    side."""
+    from matplotlib.legend_handler import HandlerTuple
+
+    if entries:
+        options["handles"], options["labels"] = map(list, zip(*entries, strict=True))
+    figure.legend(
+        loc="outside right upper",
+        fontsize="small",
+        handler_map={tuple: HandlerTuple(ndivide=None, pad=0)},
+        **options,
+    )
+
+
+def series_styles(labels: Iterable[Hashable]) -> dict[Hashable, tuple[str, str]]:
+    """label -> (colour, marker), in order: the i-th label gets PALETTE[i % 10] and
+    MARKERS[i % 12], so the first 60 labels all differ in colour or marker (most in both)."""
+    return {
+        label: (PALETTE[i % len(PALETTE)], MARKERS[i % len(MARKERS)])
+        for i, label in enumerate(dict.fromkeys(labels))
+    }
+
+
+def title_subject(
+    models: Iterable[str | None], data: Iterable[str | None], devices: Iterable[str | None] = ()
+) -> str:
+    """What was trained where, for a title: `simple_cnn on fashion_mnist, cpu`; two names
+    are joined (`simple_cnn / resnet18`), more counted (`3 models`); unknown devices left out."""
+
+    def named(values: Iterable[str | None], plural: str) -> str:
+        distinct = list(dict.fromkeys(v for v in values if v))
+        if len(distinct) > NAMED_AT_MOST:
+            return f"{len(distinct)} {plural}"
+        return " / ".join(distinct)
+
+    text = f"{named(models, 'models') or '?'} on {named(data, 'data sets') or '?'}"
+    where = named(devices, "devices")
+    return f"{text}, {where}" if where else text
+
+
+def _rows_subject(rows: Sequence[Row]) -> str:
+    return title_subject(
+        [row.model for row in rows],
+        [row.data for row in rows],
+        [row.device for row in rows],
+    )
+
+
+def _row_extras(rows: Sequence[Row]) -> tuple[str, ...]:
+    """The VARYING_KEYS in which the rows differ (worth naming in a legend)."""
+    return tuple(k for k in VARYING_KEYS if len({getattr(row, k) for row in rows}) > 1)
+
+
+def _series_label(row: Row, extra: Sequence[str]) -> str:
+    return " ".join([row.parallelism, row.precision, *(getattr(row, k) for k in extra)])
+
+
+# --- against workers: throughput and efficiency --------------------------------------------------
 def _series(rows: Sequence[Row], metric: str) -> dict[str, list[tuple[int, float]]]:
-    """label -> [(workers, median of metric)] per (parallelism, precision[, speed, model, data])."""
-    extra = _varying([{k: getattr(r, k) for k in VARYING_KEYS} for r in rows])
+    """label -> [(workers, median of metric)] per (parallelism, precision[, what else varies:
+    VARYING_KEYS]), in the rows' order (the table's)."""
+    extra = _row_extras(rows)
     groups: dict[str, dict[int, list[float]]] = {}
     for row in rows:
         value = getattr(row, metric)
         if value is None or row.world_size is None:
             continue
-        label = " ".join([row.parallelism, row.precision, *(getattr(row, k) for k in extra)])
-        groups.setdefault(label, {}).setdefault(row.world_size, []).append(value)
+        groups.setdefault(_series_label(row, extra), {}).setdefault(row.world_size, []).append(
+            value
+        )
     return {
         label: [(w, statistics.median(v)) for w, v in sorted(points.items())]
-        for label, points in sorted(groups.items())
+        for label, points in groups.items()
     }
 
 
-def _workers_axis(axes: Any, series: dict[str, list[tuple[int, float]]]) -> None:
-    axes.set_xticks(sorted({w for points in series.values() for w, _ in points}))
-    axes.set_xlabel("workers (world size)")
+def _workers(series: Mapping[str, list[tuple[int, float]]]) -> tuple[list[int], int]:
+    """The worker counts plotted, and the smallest gap between two of them (1 for one count)."""
+    workers = sorted({w for points in series.values() for w, _ in points})
+    return workers, min((b - a for a, b in itertools.pairwise(workers)), default=1)
+
+
+def _dodge(series: Mapping[str, list[tuple[int, float]]]) -> dict[str, float]:
+    """label -> sideways offset in workers, spreading the series over DODGE of the smallest gap
+    between worker counts, so points with equal values stay visible side by side."""
+    _, gap = _workers(series)
+    count = len(series)
+    if count < 2:
+        return dict.fromkeys(series, 0.0)
+    return {label: DODGE * gap * (i / (count - 1) - 0.5) for i, label in enumerate(series)}
+
+
+def _workers_axis(axes: Any, series: Mapping[str, list[tuple[int, float]]]) -> None:
+    """Ticks at the worker counts, half a gap of room at each end (so a nudge stays small)."""
+    workers, gap = _workers(series)
+    axes.set_xticks(workers)
+    axes.set_xlim(workers[0] - gap / 2, workers[-1] + gap / 2)
+    axes.set_xlabel("workers (world size; series nudged apart so none hides another)")
     axes.grid(alpha=0.3)
+    axes.set_axisbelow(True)
 
 
-def plot_throughput(rows: Sequence[Row], path: Path) -> Path | None:
-    """samples/s vs workers per (parallelism, precision), dashed: ideal linear scaling."""
+def _draw_series(
+    axes: Any, series: Mapping[str, list[tuple[int, float]]], rows: Sequence[Row]
+) -> dict[str, Any]:
+    """Each series as a line in its own colour and marker (the same in every plot of `rows`),
+    nudged sideways by `_dodge`; label -> its Line2D."""
+    styles = series_styles(_series_label(row, _row_extras(rows)) for row in rows)
+    offsets = _dodge(series)
+    drawn = {}
+    for label, points in series.items():
+        colour, marker = styles[label]
+        x = [w + offsets[label] for w, _ in points]
+        y = [value for _, value in points]
+        (drawn[label],) = axes.plot(x, y, color=colour, marker=marker, markersize=7, label=label)
+    return drawn
+
+
+def throughput_figure(rows: Sequence[Row]) -> Any | None:
+    """samples/s against workers, a line per (parallelism, precision[, what else varies]), from
+    0; each series' ideal linear scaling from its fewest workers dashed in its colour."""
     series = _series(rows, "samples_per_s")
     if not series:
         return None
     figure, axes = _figure()
+    drawn = _draw_series(axes, series, rows)
+    ideals = []
     for label, points in series.items():
-        workers, values = zip(*points, strict=True)
-        (line,) = axes.plot(workers, values, marker="o", label=label)
+        if len(points) < 2:
+            continue  # one worker count: nothing to scale to
+        line = drawn[label]
         first_w, first_v = points[0]
-        ideal = [first_v * w / first_w for w in workers]
-        axes.plot(workers, ideal, linestyle="--", color=line.get_color(), alpha=0.5)
-    axes.plot([], [], linestyle="--", color="gray", label="ideal linear scaling")
+        ideal = [first_v * w / first_w for w, _ in points]
+        (dashed,) = axes.plot(
+            line.get_xdata(), ideal, linestyle="--", color=line.get_color(), alpha=0.6
+        )
+        ideals.append(dashed)
     _workers_axis(axes, series)
-    axes.set_ylabel("samples/s")
-    axes.set_title("Throughput")
-    axes.legend()
-    figure.savefig(path, dpi=120)
-    return path
+    unmeasured = sum(row.samples_per_s is None for row in rows)
+    if unmeasured:
+        runs = "run" if unmeasured == 1 else "runs"
+        axes.set_xlabel(
+            f"{axes.get_xlabel()}\nnot plotted: {unmeasured} {runs} without a throughput "
+            "(see the table's notes)"
+        )
+    axes.set_ylabel("samples/s (steady-state median)")
+    axes.set_ylim(bottom=0)
+    axes.set_title(f"Throughput vs workers\n{_rows_subject(rows)}")
+    entries = [(line, label) for label, line in drawn.items()]
+    if ideals:  # one entry, a dash in each series' colour
+        entries.append((tuple(ideals), IDEAL_LABEL))
+    _legend_outside(figure, entries, handlelength=3)
+    return figure
 
 
-def plot_efficiency(rows: Sequence[Row], path: Path) -> Path | None:
-    """Scaling efficiency vs workers per (parallelism, precision); 1.0 is perfect."""
+def efficiency_figure(rows: Sequence[Row]) -> Any | None:
+    """Scaling efficiency (speedup ÷ workers ratio) against workers, from 0; 1.0 is linear."""
     series = _series(rows, "scaling_efficiency")
     if not series:
         return None
     figure, axes = _figure()
-    for label, points in series.items():
-        axes.plot(*zip(*points, strict=True), marker="o", label=label)
-    axes.axhline(1.0, linestyle="--", color="gray", label="ideal")
+    _draw_series(axes, series, rows)
+    axes.axhline(1.0, label="ideal: 1.0 (linear scaling)", **REFERENCE)
     _workers_axis(axes, series)
-    axes.set_ylabel("scaling efficiency")
-    axes.set_ylim(bottom=0)
-    axes.set_title("Scaling efficiency (speedup ÷ workers ratio)")
-    axes.legend()
-    figure.savefig(path, dpi=120)
-    return path
+    axes.set_ylabel("scaling efficiency (speedup ÷ workers ratio)")
+    top = max(value for points in series.values() for _, value in points)
+    axes.set_ylim(0, max(1.0, top) * 1.1)
+    axes.set_title(f"Scaling efficiency vs workers\n{_rows_subject(rows)}")
+    _legend_outside(figure)
+    return figure
 
 
-def plot_accuracy_vs_time(records: Sequence[RunRecord], path: Path) -> Path | None:
-    """Validation accuracy against training time, one line per run."""
+# --- AMP gain -----------------------------------------------------------------------------------
+def amp_gain_figure(rows: Sequence[Row]) -> Any | None:
+    """Grouped bars from 0: per parallelism × workers (× what else varies), one bar per mixed
+    precision with its AMP gain (throughput ÷ the like-for-like fp32 run's), its value on top;
+    a line at 1.0× is fp32."""
+    gained = [row for row in rows if row.amp_gain is not None and row.world_size is not None]
+    if not gained:
+        return None
+    extra = _row_extras(gained)
+    gains: dict[tuple[str, ...], dict[str, list[float]]] = {}
+    for row in gained:
+        group = (row.parallelism, f"×{row.world_size}", *(getattr(row, k) for k in extra))
+        gains.setdefault(group, {}).setdefault(row.precision, []).append(row.amp_gain)
+    known = [p for p in PRECISION_ORDER if any(p in g for g in gains.values())]
+    precisions = known + sorted({p for g in gains.values() for p in g} - set(known))
+
+    figure, axes = _figure()
+    width = 0.8 / len(precisions)
+    top = 1.0
+    for j, precision in enumerate(precisions):
+        places = [i for i, group in enumerate(gains.values()) if precision in group]
+        heights = [
+            statistics.median(group[precision]) for group in gains.values() if precision in group
+        ]
+        offset = (j - (len(precisions) - 1) / 2) * width
+        bars = axes.bar(
+            [i + offset for i in places],
+            heights,
+            width=width * 0.95,
+            color=PALETTE[j % len(PALETTE)],
+            hatch=HATCHES[j % len(HATCHES)],
+            edgecolor="white",
+            label=precision,
+        )
+        axes.bar_label(bars, [f"{h:.2f}×" for h in heights], padding=2, fontsize="small")
+        top = max(top, *heights)
+    axes.axhline(1.0, label="fp32 (1.0×)", **REFERENCE)
+    axes.set_xticks(range(len(gains)), ["\n".join(group) for group in gains])
+    axes.set_xlabel("parallelism, workers")
+    axes.set_ylabel("AMP gain (× fp32 samples/s, like for like)")
+    axes.set_ylim(0, top * 1.18)  # room for the labels above the bars
+    axes.grid(axis="y", alpha=0.3)
+    axes.set_axisbelow(True)
+    axes.set_title(f"AMP gain over fp32\n{_rows_subject(gained)}")
+    _legend_outside(figure, title="precision")
+    return figure
+
+
+# --- accuracy against time ----------------------------------------------------------------------
+def accuracy_vs_time_figure(rows: Sequence[Row], records: Sequence[RunRecord]) -> Any | None:
+    """Validation accuracy against elapsed training time (from 0), one line per run in the
+    table's order, each in its own colour and marker."""
+    by_id = {record.run_id: record for record in records}
     curves = []
-    for record in records:
+    for row in rows:
+        record = by_id.get(row.run_id)
+        if record is None:
+            continue
         elapsed = dict(record.history("elapsed_s"))
         points = [(elapsed[s], acc) for s, acc in record.history("val_acc") if s in elapsed]
         if points:
-            curves.append((record, points))
+            curves.append((row, points))
     if not curves:
         return None
-    extra = _varying([{k: setting(r, k) or "" for k in VARYING_KEYS} for r, _ in curves])
+    plotted = [row for row, _ in curves]
+    extra = _row_extras(plotted)
+    labels = []
+    for row, _ in curves:
+        parts = [row.parallelism, f"×{row.world_size}", row.precision]
+        parts += [getattr(row, k) for k in extra]
+        if row.status != "FINISHED":
+            parts.append(f"({row.status})")
+        labels.append(" ".join(map(str, parts)))
+    styles = series_styles(range(len(curves)))  # one per run, even when two runs look alike
     figure, axes = _figure()
-    for record, points in sorted(curves, key=lambda c: c[0].name):
-        parts = [record.setting("parallelism"), f"×{record.setting('world_size')}"]
-        parts += [record.setting("precision"), *(setting(record, k) for k in extra)]
-        if record.status != "FINISHED":
-            parts.append(f"({record.status})")
-        axes.plot(*zip(*points, strict=True), marker=".", label=" ".join(map(str, parts)))
+    for i, ((_, points), label) in enumerate(zip(curves, labels, strict=True)):
+        colour, marker = styles[i]
+        axes.plot(*zip(*points, strict=True), color=colour, marker=marker, label=label)
+    axes.set_xlim(left=0)
     axes.set_xlabel("elapsed training time (s)")
     axes.set_ylabel("validation accuracy")
-    axes.set_title("Accuracy vs time")
+    axes.set_title(f"Validation accuracy vs training time\n{_rows_subject(plotted)}")
     axes.grid(alpha=0.3)
-    axes.legend(fontsize="small")
-    figure.savefig(path, dpi=120)
-    return path
+    _legend_outside(figure)
+    return figure
 
 
-def plot_ladder(rows: Sequence[LadderRow], path: Path) -> Path | None:
+# --- the speed-up ladder and the time breakdown -------------------------------------------------
+def ladder_figure(rows: Sequence[LadderRow]) -> Any | None:
     """A bar of samples/s per rung from 0, each labelled with its gain over fp32 (and its compile
     time); a rung not measured has no bar, its status written in its place."""
     measured = [row.samples_per_s for row in rows if row.samples_per_s is not None]
@@ -157,16 +373,20 @@ def plot_ladder(rows: Sequence[LadderRow], path: Path) -> Path | None:
         axes.text(middle, bar.get_height() + 0.01 * top, label, ha="center", va="bottom")
     axes.set_xticks(list(positions), [row.rung for row in rows])
     axes.set_xlabel("rung (each adds one switch to the one before)")
-    axes.set_ylabel("images/s (median of epochs after the first)")
+    axes.set_ylabel("images/s (steady-state median)")
     axes.set_ylim(0, top * 1.2)  # room for the labels above the bars
     axes.grid(axis="y", alpha=0.3)
     axes.set_axisbelow(True)
-    axes.set_title(f"Speed-up ladder: {ladder_subject(rows)} (labels: gain over fp32)")
-    figure.savefig(path, dpi=120)
-    return path
+    axes.set_title(f"Speed-up ladder (labels: gain over fp32)\n{ladder_subject(rows)}")
+    return figure
 
 
-def plot_time_breakdown(rows: Sequence[DiagnosisRow], subject: str, path: Path) -> Path | None:
+def plot_ladder(rows: Sequence[LadderRow], path: Path) -> Path | None:
+    """`ladder_figure` saved to `path`; None (and no file) when no rung was measured."""
+    return _save(ladder_figure(rows), path)
+
+
+def time_breakdown_figure(rows: Sequence[DiagnosisRow], subject: str) -> Any | None:
     """One horizontal bar per run (first on top), stacked from the SEGMENTS' shares of its last
     epoch's step time, labelled with the run and its bound; a run without time accounting has no
     bar, a note in its place. The legend sits under the axes."""
@@ -193,8 +413,12 @@ def plot_time_breakdown(rows: Sequence[DiagnosisRow], subject: str, path: Path) 
     axes.set_axisbelow(True)
     axes.set_title(f"Where the step time went — {subject}")
     figure.legend(loc="outside lower center", ncols=len(SEGMENTS), frameon=False)
-    figure.savefig(path, dpi=120)
-    return path
+    return figure
+
+
+def plot_time_breakdown(rows: Sequence[DiagnosisRow], subject: str, path: Path) -> Path | None:
+    """`time_breakdown_figure` saved to `path`; None (and no file) without time accounting."""
+    return _save(time_breakdown_figure(rows, subject), path)
 
 
 def _bar_label(row: DiagnosisRow) -> str:
@@ -203,6 +427,7 @@ def _bar_label(row: DiagnosisRow) -> str:
     return f"{row.run_name}\nbound: {row.bound or '—'}{status}"
 
 
+# --- writing ------------------------------------------------------------------------------------
 def write_time_plot(rows: Sequence[DiagnosisRow], subject: str, out_dir: Path) -> list[Path]:
     """TIME_PLOT in `out_dir` when a run has time accounting; else no file (nor an older one)."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -218,16 +443,22 @@ def write_plots(
     out_dir: Path,
     ladder_rows: Sequence[LadderRow] = (),
 ) -> list[Path]:
-    """The plots that have data, as PNGs in `out_dir`: PLOT_NAMES, and LADDER_PLOT for a ladder."""
+    """The plots that have data, as PNGs in `out_dir`: PLOT_NAMES (AMP_GAIN_PLOT when a run has
+    an AMP gain), and LADDER_PLOT for a ladder. A plot without data leaves no file, nor an older
+    report's."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    throughput_png, efficiency_png, accuracy_png = (out_dir / name for name in PLOT_NAMES)
-    made = [
-        plot_throughput(rows, throughput_png),
-        plot_efficiency(rows, efficiency_png),
-        plot_accuracy_vs_time(records, accuracy_png),
-        plot_ladder(ladder_rows, out_dir / LADDER_PLOT),
-    ]
-    for name in (*PLOT_NAMES, LADDER_PLOT):  # a plot skipped now: no older report's file left
-        if out_dir / name not in made:
+    figures = {
+        THROUGHPUT_PLOT: throughput_figure(rows),
+        EFFICIENCY_PLOT: efficiency_figure(rows),
+        AMP_GAIN_PLOT: amp_gain_figure(rows),
+        ACCURACY_PLOT: accuracy_vs_time_figure(rows, records),
+        LADDER_PLOT: ladder_figure(ladder_rows),
+    }
+    made = []
+    for name, figure in figures.items():
+        path = _save(figure, out_dir / name)
+        if path is None:
             (out_dir / name).unlink(missing_ok=True)
-    return [path for path in made if path is not None]
+        else:
+            made.append(path)
+    return made
