@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from accelexp import callbacks, signals, startup
 from accelexp.config import register_configs
 from accelexp.config.help import register_help
-from accelexp.errors import AccelexpError
+from accelexp.errors import AccelexpError, ConfigError
 
 log = logging.getLogger("accelexp")
 register_configs()
@@ -32,6 +32,7 @@ register_help()  # the groups, options and keys `--help` lists
 def main(cfg: DictConfig) -> float | None:
     from accelexp.config.validate import check_one_job_of_a_study
     from accelexp.launch import launch  # torch loads after Hydra has parsed the command line
+    from accelexp.parallel import run_label
     from accelexp.parallel.world import current_world
     from accelexp.tracking import credentials
     from accelexp.tracking.runs import RUN_ID_FILE, close_run, record_failure, run_tags
@@ -69,7 +70,8 @@ def main(cfg: DictConfig) -> float | None:
         first_rank = current_world().rank == 0  # under srun every task runs this function
         if first_rank and (in_sweep or (Path(output_dir) / RUN_ID_FILE).is_file()):
             tags = run_tags(cfg, cfg.parallelism.nprocs, overrides)
-            record_failure(cfg, output_dir, traceback.format_exc(), tags, overrides)
+            label = None if isinstance(error, ConfigError) else run_label(cfg.parallelism)
+            record_failure(cfg, output_dir, traceback.format_exc(), tags, overrides, label)
         if in_sweep:
             return None  # the sweep goes on; its parent run ends FAILED and says which job
         if ours:

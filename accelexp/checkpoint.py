@@ -31,8 +31,7 @@ import numpy as np
 import torch
 
 from accelexp import signals
-from accelexp.config import ConfigError
-from accelexp.errors import AccelexpError
+from accelexp.errors import AccelexpError, ConfigError
 
 LAST, BEST = "last.pt", "best.pt"
 # restarts of one job: torchrun's restarts of its workers, Slurm's requeues of a job
@@ -40,6 +39,7 @@ RESTART_ENV = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 # keys that change how a run is watched, not what it computes: a resumed run may differ in them
 NOT_TRAINING = (
     "resume",
+    "max_batch",  # a search after training: the training is the same with or without it
     "progress",
     "log_every_n_steps",
     "threads",
@@ -120,8 +120,8 @@ def load(path: Path) -> dict[str, Any]:
 
 def training_state(
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model: dict[str, Any],
+    optimizer: dict[str, Any],
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: dict,
     progress: Progress,
@@ -129,10 +129,11 @@ def training_state(
     run_id: str | None,
     config: dict,
 ) -> dict[str, Any]:
-    """What `last.pt` holds (`rng`: one entry per rank, in rank order)."""
+    """What `last.pt` holds: the whole model's and optimizer's states (gathered from their
+    shards under FSDP), and `rng`, one entry per rank, in rank order."""
     return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": model,
+        "optimizer": optimizer,
         "scheduler": scheduler.state_dict(),
         "scaler": scaler,
         "progress": asdict(progress),
@@ -145,8 +146,8 @@ def training_state(
 def restore(
     state: Mapping[str, Any],
     *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    load_model: Callable[[dict], None],
+    load_optimizer: Callable[[dict], None],
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: torch.amp.GradScaler | None,
     generator: torch.Generator,
@@ -158,8 +159,8 @@ def restore(
             f"The checkpoint was written by a world of {len(state['rng'])} rank(s); this is rank "
             f"{rank}. Resume with the same parallelism.nprocs as the run it continues."
         )
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    load_model(state["model"])  # the strategy's: FSDP reshards the whole state
+    load_optimizer(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     if scaler is not None and state["scaler"]:
         scaler.load_state_dict(state["scaler"])

@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from accelexp.config import ConfigError, validate
 from accelexp.errors import AccelexpError
-from accelexp.parallel import strategy_class
+from accelexp.parallel import composition
 from accelexp.parallel.world import current_world, port_in_use
 from accelexp.processes import JOB_ENV, kill_job, new_job_token, stop_job
 from accelexp.signals import interruption
@@ -68,14 +68,14 @@ def launch(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = (
                 world.rank,
             )
         return run(cfg, output_dir, overrides)
-    strategy = strategy_class(cfg.parallelism)
-    if strategy.launcher is None:
+    placement, sync = composition(cfg.parallelism)
+    if sync.launcher is None:
         raise ConfigError(
             f"parallelism={cfg.parallelism.name} runs in one process, but parallelism.nprocs="
-            f"{nprocs}: use parallelism=ddp, horovod or hybrid for several workers."
+            f"{nprocs}: use parallelism=ddp, fsdp, horovod or hybrid for several workers."
         )
     gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
-    per_worker = strategy.devices_per_worker(cfg.parallelism)
+    per_worker = placement.devices_per_worker(cfg.parallelism)
     if gpus and nprocs * per_worker > gpus:
         raise AccelexpError(
             f"parallelism.nprocs={nprocs} workers with {per_worker} GPU(s) each, but this "
@@ -87,7 +87,7 @@ def launch(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = (
     if cfg.threads is None and not gpus:  # workers share this machine's cores
         cfg.threads = max(1, len(os.sched_getaffinity(0)) // nprocs)
     spec = _write_spec(cfg, output_dir, overrides)
-    command = LAUNCHERS[strategy.launcher](cfg.parallelism, spec)
+    command = LAUNCHERS[sync.launcher](cfg.parallelism, spec)
     log.info("Starting %d %s workers: %s", nprocs, cfg.parallelism.name, " ".join(command))
     returncode = _run_process_group(command, threads=cfg.threads)
     if returncode != 0:

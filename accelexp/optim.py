@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
-from accelexp.config import ConfigError
+from accelexp.errors import ConfigError
 
 
 def build_optimizer(

@@ -35,7 +35,7 @@ from accelexp.diagnosis.run import RunDiagnosis, is_out_of_memory
 from accelexp.engine import Trainer, check_diverged, optimizer_steps_per_epoch
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
-from accelexp.parallel import build_strategy
+from accelexp.parallel import build_strategy, run_label
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
 from accelexp.speed import SpeedSwitches
@@ -170,6 +170,7 @@ def _run(
         model,
         # a batch's shape, for strategies that time the model (parallelism.balance=compute)
         input_shape=(cfg.data.batch_size, data.in_channels, data.image_size, data.image_size),
+        precision=cfg.precision.name,
     )
     if switches.compile_mode:
         model = strategy.compile(model, switches.compile_mode)
@@ -203,13 +204,13 @@ def _run(
     profiler = StepProfiler(cfg, output_dir, strategy.rank, strategy.device)
     trainer.profiler = profiler if profiler.enabled else None
     diagnosis = RunDiagnosis(strategy, precision, cfg.data.batch_size, flops_per_sample)
-    name = run_name(cfg, switches.summary(), overrides)
+    name = run_name(cfg, switches.summary(), overrides, run_label(cfg.parallelism))
     progress = checkpoint.Progress()
     if state is not None:
         progress = checkpoint.restore(
             state,
-            model=strategy.unwrap(model),
-            optimizer=optimizer,
+            load_model=partial(strategy.load_model_state_dict, model),
+            load_optimizer=partial(strategy.load_optimizer_state_dict, model, optimizer),
             scheduler=scheduler,
             scaler=precision.scaler,
             generator=generator,
@@ -260,6 +261,12 @@ def _run(
             _log_run_files(tracker, output_dir, resolved)
         metrics = fit(train_loader, val_loader, test_loader, progress)
         diagnosis.finish(tracker, name)
+        from accelexp.diagnosis import max_batch  # max_batch.search=true: the largest batch
+
+        max_batch.after_training(
+            cfg, trainer.model, optimizer, precision, strategy, sample_shape, data.num_classes,
+            tracker, switches.memory_format,
+        )  # fmt: skip
     except (KeyboardInterrupt, SystemExit):  # a signal; SystemExit: submitit's requeue
         tracker.end("KILLED")
         raise
@@ -379,8 +386,7 @@ class Fit:
             progress.epoch, progress.elapsed_s = epoch, elapsed
             if val_acc > progress.best_val_acc:
                 progress.best_val_acc = val_acc
-                if strategy.is_main:
-                    self.save_best(epoch, val_acc)
+                self.save_best(epoch, val_acc)
             target = cfg.target_accuracy
             if progress.time_to_target_s is None and target and val_acc >= target:
                 progress.time_to_target_s = elapsed
@@ -395,19 +401,24 @@ class Fit:
         return self.test(test_loader, progress, time.perf_counter() - run_start)
 
     def save_best(self, epoch: int, val_acc: float) -> None:
-        model = self.strategy.unwrap(self.trainer.model)
-        payload = {"model": model.state_dict(), "epoch": epoch, "val_acc": val_acc}
+        """The whole model's weights; every rank takes part (FSDP gathers its shards)."""
+        weights = self.strategy.model_state_dict(self.trainer.model)
+        if not self.strategy.is_main:
+            return
+        payload = {"model": weights, "epoch": epoch, "val_acc": val_acc}
         checkpoint.save(self.checkpoints / checkpoint.BEST, {**payload, "config": self.resolved})
 
     def save_last(self, progress: checkpoint.Progress) -> None:
         """The whole training state; every rank takes part (its RNG states are gathered)."""
-        rng = self.strategy.gather_object(checkpoint.rng_state(self.generator))
-        if not self.strategy.is_main:
+        strategy, trainer = self.strategy, self.trainer
+        rng = strategy.gather_object(checkpoint.rng_state(self.generator))
+        model = strategy.model_state_dict(trainer.model)
+        optimizer = strategy.optimizer_state_dict(trainer.model, trainer.optimizer)
+        if not strategy.is_main:
             return
-        trainer = self.trainer
         state = checkpoint.training_state(
-            model=self.strategy.unwrap(trainer.model),
-            optimizer=trainer.optimizer,
+            model=model,
+            optimizer=optimizer,
             scheduler=trainer.scheduler,
             scaler=trainer.precision.state_dict(),
             progress=progress,
@@ -424,7 +435,7 @@ class Fit:
         strategy, trainer, cfg = self.strategy, self.trainer, self.cfg
         best = self.checkpoints / checkpoint.BEST
         weights = checkpoint.load(best)["model"] if strategy.is_main else None
-        strategy.unwrap(trainer.model).load_state_dict(strategy.broadcast_object(weights))
+        strategy.load_model_state_dict(trainer.model, strategy.broadcast_object(weights))
         test_loss, test_acc = trainer.evaluate(test_loader, "test")
         final = {
             "best_val_acc": progress.best_val_acc,

@@ -144,7 +144,7 @@ def test_a_key_of_another_data_option_is_refused(compose_cfg):
 
 
 def test_a_key_of_other_strategies_names_them(compose_cfg):
-    with pytest.raises(ConfigError, match=r"parallelism=ddp and parallelism=hybrid"):
+    with pytest.raises(ConfigError, match=r"parallelism=ddp, parallelism=fsdp and parallelism=hybrid"):
         validate(compose_cfg("+parallelism.backend=gloo"))
 
 

@@ -35,6 +35,7 @@ RUN = (
     "progress=false",
 )
 DDP = ("parallelism=ddp", "parallelism.nprocs=2")
+FSDP = ("parallelism=fsdp", "parallelism.nprocs=2")
 EPOCH_METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
 FINAL_METRICS = ("best_val_acc", "test_loss", "test_acc")
 
@@ -133,6 +134,17 @@ def test_a_killed_ddp_run_resumed_ends_as_an_uninterrupted_one(
     assert the_run(uri).info.run_id == run_id
     assert the_run(uri).info.status == "FINISHED"
     assert_same_training(*references("ddp", *DDP), resumed_dir, uri)
+
+
+@pytest.mark.slow
+def test_a_killed_fsdp_run_resumed_ends_as_an_uninterrupted_one(
+    tmp_path, mlflow_template_db, references
+):
+    """last.pt holds FSDP's whole state, gathered from the shards; resuming reshards it."""
+    resumed_dir, uri, run_id = kill_and_resume(tmp_path, mlflow_template_db, signal.SIGTERM, *FSDP)
+    assert the_run(uri).info.run_id == run_id
+    assert the_run(uri).info.status == "FINISHED"
+    assert_same_training(*references("fsdp", *FSDP), resumed_dir, uri)
 
 
 @pytest.mark.slow

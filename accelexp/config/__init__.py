@@ -3,6 +3,7 @@
 (`help`)."""
 
 from accelexp.config.schema import Config, register_configs
-from accelexp.config.validate import ConfigError, validate
+from accelexp.config.validate import validate
+from accelexp.errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "register_configs", "validate"]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from accelexp.config.validate import ConfigError
+from accelexp.errors import ConfigError
 
 if TYPE_CHECKING:
     from accelexp.data.sources import SetShape
@@ -33,6 +33,11 @@ def check_resources(cfg: DictConfig, workers: int = 1) -> None:
         problems.append(
             "  parallelism.backend=nccl needs CUDA GPUs, and this run has none (device="
             f"{cfg.device}): use parallelism.backend=gloo or auto."
+        )
+    if cfg.parallelism.get("cpu_offload") and not gpus:
+        problems.append(
+            "  parallelism.cpu_offload=true moves FSDP's shards from GPU memory to host memory, "
+            f"but this run has no GPU (device={cfg.device}): drop parallelism.cpu_offload."
         )
     if problems:
         raise ConfigError("Cannot run this configuration here:\n" + "\n".join(problems))

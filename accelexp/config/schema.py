@@ -45,6 +45,27 @@ class ResNetConfig:
     small_input_max_size: int = 64
 
 
+@dataclass
+class ViTConfig:
+    """A Vision Transformer: patches of `patch_size` px, `depth` pre-norm blocks of width `dim`."""
+
+    name: str = "vit_tiny"
+    patch_size: Any = "auto"  # auto (16 patches: 7 for 28 px, 8 for 32 px) | an integer
+    dim: int = 192
+    depth: int = 6
+    heads: int = 3  # must divide dim
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+
+
+@dataclass
+class TorchvisionViTConfig:
+    """torchvision's ViT-B/16 resized to the data (channels, image size, classes)."""
+
+    name: str = "vit_b_16"
+    pretrained: bool = False
+
+
 # --- data ----------------------------------------------------------------------------------
 
 
@@ -126,6 +147,21 @@ class DDPConfig(ParallelismConfig):
     static_graph: bool = False
     find_unused_parameters: bool = False
     comm_hook: str = "none"  # none | fp16 | bf16: gradient compression for the allreduce
+    master_port: int | None = None  # rendezvous port when accelexp starts the workers; None: free
+    max_restarts: int = 0  # torchrun restarts the workers this often after a failure; they resume
+
+
+@dataclass
+class FSDPConfig(ParallelismConfig):
+    """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over workers."""
+
+    name: str = "fsdp"
+    nprocs: int = 2
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    granularity: str = "block"  # block: one FSDP unit per block of the layer sequence | model
+    reshard_after_forward: bool = True  # free gathered parameters after each unit's forward
+    reduce_in_fp32: bool = True  # reduce-scatter gradients in fp32 under bf16/amp
+    cpu_offload: bool = False  # shards in host memory (CUDA only)
     master_port: int | None = None  # rendezvous port when accelexp starts the workers; None: free
     max_restarts: int = 0  # torchrun restarts the workers this often after a failure; they resume
 
@@ -264,6 +300,15 @@ class ProfilerConfig:
 
 
 @dataclass
+class MaxBatchConfig:
+    """`search=true`: after training, on a CUDA GPU, double the per-worker batch from
+    data.batch_size until a training step runs out of memory (accelexp.diagnosis.max_batch)."""
+
+    search: bool = False
+    limit: int = 65536  # the largest per-worker batch tried
+
+
+@dataclass
 class DebugConfig:
     raise_on_rank: int | None = None
     raise_at_step: int = 1
@@ -293,18 +338,26 @@ class Config:
     resume: str | None = None  # auto | <MLflow run id> | <run folder or last.pt>: continue a run
     profile: bool = False  # torch.profiler traces of a few steps (see `profiler`), MLflow artifacts
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    max_batch: MaxBatchConfig = field(default_factory=MaxBatchConfig)  # the largest batch that fits
     # test hooks: a crashed worker, a slow input pipeline, an out-of-memory error, on purpose
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
-    "model": {"simple_cnn": SimpleCNNConfig, "mlp": MLPConfig, "resnet": ResNetConfig},
+    "model": {
+        "simple_cnn": SimpleCNNConfig,
+        "mlp": MLPConfig,
+        "resnet": ResNetConfig,
+        "vit": ViTConfig,
+        "torchvision_vit": TorchvisionViTConfig,
+    },
     "data": {"stored": StoredDataConfig, "synthetic": SyntheticDataConfig},
     "precision": {"precision": PrecisionConfig},
     "parallelism": {
         "single": ParallelismConfig,
         "dp": DataParallelConfig,
         "ddp": DDPConfig,
+        "fsdp": FSDPConfig,
         "horovod": HorovodConfig,
         "model": ModelParallelConfig,
         "hybrid": HybridConfig,

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from accelexp.config.catalog import flatten, options_declaring
-from accelexp.errors import AccelexpError
+from accelexp.errors import ConfigError
 
 PRECISIONS = ("fp32", "amp", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -52,10 +52,6 @@ def _tracking_store(uri: str) -> bool:
     if not uri.strip() or _scheme(uri) not in TRACKING_SCHEMES:
         return False
     return _scheme(uri) != "sqlite" or urlparse(uri).path.strip("/") not in ("", ":memory:")
-
-
-class ConfigError(AccelexpError, ValueError):
-    """A configuration value is not allowed; the message says which and what to type instead."""
 
 
 def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
@@ -120,7 +116,9 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
             lambda v: v is None or (all(b > a for a, b in pairwise(v)) and min(v, default=1) > 0),
             "null or strictly increasing layer indices >= 1, e.g. [4, 9]",
         ),
-        ("parallelism.engine", lambda v: v in ("ddp", "horovod"), "ddp or horovod"),
+        # fsdp: a message of its own (`_parallelism_problems`)
+        ("parallelism.engine", lambda v: v in ("ddp", "horovod", "fsdp"), "ddp or horovod"),
+        ("parallelism.granularity", lambda v: v in ("block", "model"), "block or model"),
         ("parallelism.devices_per_replica", *at_least_one),
         ("debug.raise_at_step", *at_least_one),
         ("debug.input_delay_ms", lambda v: v >= 0, "a number of milliseconds >= 0"),
@@ -129,6 +127,7 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
         ("profiler.wait", lambda v: v >= 0, "an integer >= 0"),
         ("profiler.warmup", lambda v: v >= 0, "an integer >= 0"),
         ("profiler.active", *at_least_one),
+        ("max_batch.limit", *at_least_one),
         ("speed.channels_last", *auto_or_bool),
         ("speed.compile", lambda v: v in COMPILE_MODES, f"one of {', '.join(COMPILE_MODES)}"),
         (
@@ -162,6 +161,15 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
         ("model.hidden", *at_least_one),
         ("model.widths", lambda v: len(v) >= 1 and all(w >= 1 for w in v), "integers >= 1"),
         ("model.dropout", *fraction),
+        (
+            "model.patch_size",
+            lambda v: v in (None, "auto") or (type(v) is int and v >= 1),
+            "auto or an integer >= 1 that divides the image size",
+        ),
+        ("model.dim", *at_least_one),
+        ("model.depth", *at_least_one),
+        ("model.heads", *at_least_one),
+        ("model.mlp_ratio", *positive),
         ("scheduler.warmup_epochs", *non_negative),
         ("scheduler.warmup_start_factor", lambda v: 0 < v <= 1, "a number in (0, 1]"),
         ("scheduler.step_size", *at_least_one),
@@ -196,6 +204,8 @@ def validate(cfg: DictConfig) -> None:
             f"epochs={cfg.epochs}."
         )
     problems += _pipeline_problems(cfg.parallelism, cfg.data.batch_size)
+    problems += _vit_problems(cfg)
+    problems += _parallelism_problems(cfg)
     if cfg.optimizer.get("nesterov") and cfg.optimizer.momentum == 0:
         problems.append(
             "  optimizer.nesterov=true needs a momentum, but optimizer.momentum=0: set "
@@ -238,6 +248,25 @@ def _example_fix(problem: str) -> str:
     return f", e.g. `python run.py {match.group(1)}=...`" if match else ""
 
 
+def _parallelism_problems(cfg: DictConfig) -> list[str]:
+    """Combinations of parallelism with other choices that cannot run."""
+    parallelism, problems = cfg.parallelism, []
+    if parallelism.get("engine") == "fsdp":
+        problems.append(
+            "  parallelism=hybrid with parallelism.engine=fsdp: FSDP shards one model over the "
+            "data-parallel workers, and hybrid's replicas are pipelines of stages; sharding "
+            "pipeline stages (2-D parallelism) is not supported. Use parallelism=fsdp (shards, "
+            "one device per worker), or hybrid with parallelism.engine=ddp or horovod."
+        )
+    if parallelism.name == "fsdp" and cfg.speed.compile != "off":
+        problems.append(
+            f"  speed.compile={cfg.speed.compile} with parallelism=fsdp: compiling FSDP2 needs "
+            "each block compiled before it is sharded (torchtitan's recipe), which accelexp "
+            "does not do yet. Use speed.compile=off with fsdp, or parallelism=ddp to compile."
+        )
+    return problems
+
+
 def _pipeline_problems(parallelism: DictConfig, batch_size: int) -> list[str]:
     """Keys of `model` and `hybrid` that only make sense together."""
     if "chunks" not in parallelism:
@@ -264,6 +293,21 @@ def _pipeline_problems(parallelism: DictConfig, batch_size: int) -> list[str]:
             f"{per_replica}: some devices would sit idle. Use stages>={per_replica} or null."
         )
     return problems
+
+
+def _vit_problems(cfg: DictConfig) -> list[str]:
+    """A ViT's heads that do not divide its width; patches that do not divide the images (where
+    the image size is known before loading: data=synthetic, fashion_mnist, cifar10)."""
+    if not cfg.model.name.startswith("vit"):
+        return []
+    from accelexp.data.sources import set_shape
+    from accelexp.models.vit import heads_problem, patch_problem
+
+    shape = set_shape(cfg.data)
+    found = [patch_problem(cfg.model, shape.image_size)] if shape else []
+    if "heads" in cfg.model:
+        found.append(heads_problem(cfg.model.dim, cfg.model.heads))
+    return [f"  {problem}" for problem in found if problem]
 
 
 def _unset_or_unresolvable(node: DictConfig | ListConfig, prefix: str = "") -> Iterator[str]:
@@ -329,5 +373,5 @@ def misplaced_key(key: str, chosen: str | None = None) -> str:
     if not owners:
         return ""
     this = f"{group}={chosen}" if chosen else f"the chosen {group}"
-    owned = " and ".join(owners)
+    owned = " and ".join([", ".join(owners[:-1]), owners[-1]] if len(owners) > 2 else owners)
     return f"{key} applies only to {owned}, not to {this}: drop it, or pick {owners[0]}."

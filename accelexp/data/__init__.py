@@ -7,7 +7,6 @@ from collections.abc import Callable
 import torch
 from omegaconf import DictConfig
 
-from accelexp.config import ConfigError
 from accelexp.data.images import DataBundle, ImageSet
 from accelexp.data.loaders import BatchLoader, resolve_on_device
 from accelexp.data.sources import (
@@ -16,6 +15,7 @@ from accelexp.data.sources import (
     load_fashion_mnist,
     make_synthetic,
 )
+from accelexp.errors import ConfigError
 
 SOURCES: dict[str, Callable[[DictConfig], tuple[ImageSet, ImageSet]]] = {
     "fashion_mnist": load_fashion_mnist,

@@ -1,7 +1,17 @@
-"""Ways of splitting training work, one module each, behind `accelexp.parallel.base.Strategy`.
+"""Ways of splitting training work: where a replica's layers live × how replicas agree.
 
-`build_strategy(cfg)` imports the chosen module lazily, so torch.distributed and Horovod are
-imported only by the runs that use them.
+| parallelism | placement (where a replica's layers live)   | sync (how replicas agree)   |
+|-------------|---------------------------------------------|-----------------------------|
+| single      | one device (`base.Placement`)               | none (`base.Sync`)          |
+| dp          | DataParallel over its GPUs (`dp`)           | none                        |
+| ddp         | one device                                  | DDP allreduce (`ddp`)       |
+| fsdp        | one device                                  | FSDP2 shards (`fsdp`)       |
+| horovod     | one device                                  | Horovod (`horovod`)         |
+| model       | stages over devices (`model.Stages`)        | none                        |
+| hybrid      | stages over devices                         | DDP or Horovod (`engine`)   |
+
+`build_strategy(cfg)` composes the pair into the `base.Strategy` the loop talks to. The modules
+are imported lazily, so torch.distributed and Horovod load only in the runs that use them.
 """
 
 from __future__ import annotations
@@ -10,28 +20,74 @@ import importlib
 
 from omegaconf import DictConfig
 
-from accelexp.config import ConfigError
-from accelexp.parallel.base import Strategy
+from accelexp.errors import ConfigError
+from accelexp.parallel.base import Placement, Strategy, Sync
 
-STRATEGIES = {
-    "single": "accelexp.parallel.single:SingleDevice",
-    "dp": "accelexp.parallel.dp:DataParallel",
-    "ddp": "accelexp.parallel.ddp:DDP",
-    "horovod": "accelexp.parallel.horovod:Horovod",
-    "model": "accelexp.parallel.model:ModelParallel",
-    "hybrid": "accelexp.parallel.hybrid:Hybrid",
+PLACEMENTS = {
+    "one device": "accelexp.parallel.base:Placement",
+    "dataparallel": "accelexp.parallel.dp:DataParallelPlacement",
+    "stages": "accelexp.parallel.model:Stages",
 }
+SYNCS = {
+    "none": "accelexp.parallel.base:Sync",
+    "ddp": "accelexp.parallel.ddp:DDPSync",
+    "fsdp": "accelexp.parallel.fsdp:FSDPSync",
+    "horovod": "accelexp.parallel.horovod:HorovodSync",
+}
+# parallelism.name -> (placement, sync); None: the sync is `parallelism.engine`
+STRATEGIES: dict[str, tuple[str, str | None]] = {
+    "single": ("one device", "none"),
+    "dp": ("dataparallel", "none"),
+    "ddp": ("one device", "ddp"),
+    "fsdp": ("one device", "fsdp"),
+    "horovod": ("one device", "horovod"),
+    "model": ("stages", "none"),
+    "hybrid": ("stages", None),
+}
+HYBRID_ENGINES = ("ddp", "horovod")
 
 
-def strategy_class(cfg: DictConfig) -> type[Strategy]:
-    """The class that runs the `parallelism` config `cfg`."""
+def _load(path: str) -> type:
+    module, cls = path.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def composition(cfg: DictConfig) -> tuple[type[Placement], type[Sync]]:
+    """The placement and sync classes of the `parallelism` config `cfg`."""
     if cfg.name not in STRATEGIES:
         raise ConfigError(
             f"parallelism.name={cfg.name!r} is unknown: expected one of {sorted(STRATEGIES)}"
         )
-    module, cls = STRATEGIES[cfg.name].split(":")
-    return getattr(importlib.import_module(module), cls).for_config(cfg)
+    placement, sync = STRATEGIES[cfg.name]
+    if sync is None:
+        if cfg.engine not in HYBRID_ENGINES:
+            raise ConfigError(
+                f"parallelism.engine={cfg.engine!r} cannot keep hybrid's replicas in sync: "
+                f"expected one of {', '.join(HYBRID_ENGINES)}."
+            )
+        sync = cfg.engine
+    return _load(PLACEMENTS[placement]), _load(SYNCS[sync])
+
+
+def run_label(cfg: DictConfig) -> dict[str, str]:
+    """What a run's name says of its parallelism, by the key that sets each part: the
+    strategy's own description (e.g. {'parallelism': 'hybrid', 'parallelism.engine': 'ddp',
+    'parallelism.nprocs': 'np2', 'parallelism.chunks': 's2c1'})."""
+    placement, sync = composition(cfg)
+    label = {"parallelism": cfg.name}
+    if STRATEGIES[cfg.name][1] is None:  # the sync is a choice of its own: say which
+        label["parallelism.engine"] = sync.name
+    if cfg.nprocs > 1:
+        label["parallelism.nprocs"] = f"np{cfg.nprocs}"
+    return label | placement.label(cfg) | sync.label(cfg)
 
 
 def build_strategy(cfg: DictConfig) -> Strategy:
-    return strategy_class(cfg.parallelism)(cfg.parallelism, cfg.device)
+    """The strategy of the whole run config `cfg`, not yet set up."""
+    placement, sync = composition(cfg.parallelism)
+    return Strategy(
+        cfg.parallelism,
+        cfg.device,
+        placement=placement(cfg.parallelism, cfg.device),
+        sync=sync(cfg.parallelism),
+    )

@@ -1,8 +1,18 @@
-"""The one interface every way of splitting work implements, and the device it runs on.
+"""The one interface the training loop talks to, composed of two independent choices.
 
-The training loop talks to a `Strategy` only: it wraps the model and optimizer, chooses which
-samples this process sees, steps the optimizer, and sums numbers across processes. A new strategy
-is a new module in this folder; nothing outside it asks which strategy is running.
+A `Strategy` is a `Placement` × a `Sync`:
+
+- the `Placement` says where one replica's layers live: one device (`Placement` itself),
+  torch.nn.DataParallel over a process's GPUs (`dp.DataParallelPlacement`), or stages over
+  several devices (`model.Stages`);
+- the `Sync` says how replicas agree: not at all, there is one (`Sync` itself), DDP's gradient
+  allreduce (`ddp.DDPSync`), FSDP's sharded parameters (`fsdp.FSDPSync`) or Horovod's
+  DistributedOptimizer (`horovod.HorovodSync`).
+
+`accelexp.parallel.STRATEGIES` names the pairs (`hybrid` is stages × DDP or Horovod). The
+`Strategy` joins the world through its sync, lets its placement choose the devices, and builds
+the world's shape once (`WorldShape.build`). The loop wraps the model and optimizer, steps, and
+sums numbers across processes through it, and never asks which strategy is running.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from torch.utils.data import DistributedSampler, Sampler
 
 from accelexp.diagnosis.accounting import CommTime
 from accelexp.errors import AccelexpError
-from accelexp.parallel.world import WorldShape
+from accelexp.parallel.world import World, WorldShape
 from accelexp.precision import Precision
 
 
@@ -44,6 +54,26 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def held_bytes(tensor: torch.Tensor) -> int:
+    """The bytes this process stores for `tensor`: a sharded (DTensor) one's local shard only."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def state_bytes(
+    params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer | None = None
+) -> int:
+    """Parameters, their gradients and their optimizer state as this process holds them at the
+    step's peak (each gradient the size of its parameter, whether or not it is set just now)."""
+    state = optimizer.state if optimizer is not None else {}
+    tensors = [
+        *params,
+        *(p for p in params if p.requires_grad),
+        *(v for p in params for v in state.get(p, {}).values() if torch.is_tensor(v)),
+    ]
+    return sum(held_bytes(t) for t in tensors)
+
+
 class ShardSampler(Sampler[int]):
     """Indices rank, rank + world, rank + 2 * world, ... of range(num_samples), in order."""
 
@@ -57,41 +87,193 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
-class Strategy:
-    """One process, one device. Subclasses override what differs for their world."""
+class Placement:
+    """Where one replica's layers live; this base: all of them on one device."""
 
-    name = "single"
-    # the launcher that starts `nprocs` workers of this strategy (accelexp.launch), or None
-    launcher: str | None = None
+    name = "one device"
 
-    def __init__(self, cfg: DictConfig, device: str = "auto") -> None:
+    def __init__(self, cfg: DictConfig, device_request: str = "auto") -> None:
         self.cfg = cfg
-        self.device_request = device
-        self.shape = WorldShape()
-        self.device = torch.device("cpu")  # where inputs go: the (first stage's) device
-
-    @classmethod
-    def for_config(cls, cfg: DictConfig) -> type[Strategy]:
-        """The class that runs `cfg` (a strategy with several engines picks one here)."""
-        return cls
+        self.device_request = device_request
+        self.devices = [torch.device("cpu")]
 
     @classmethod
     def devices_per_worker(cls, cfg: DictConfig) -> int:
         """GPUs each worker process takes, for the launcher's check of what the machine has."""
         return 1
 
+    @classmethod
+    def label(cls, cfg: DictConfig) -> dict[str, str]:
+        """What a run's name shows of this placement, by the key that sets each part."""
+        return {}
+
+    def choose_devices(self, local_rank: int) -> list[torch.device]:
+        """The replica's devices (the first holds the inputs, labels and outputs)."""
+        self.devices = [resolve_device(self.device_request, local_rank)]
+        return self.devices
+
+    def place(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
+        """Put the model on the replica's device(s); `input_shape` is one batch's shape."""
+        return model.to(self.devices[0])
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def compile(self, model: nn.Module, mode: str) -> nn.Module:
+        """`torch.compile` the wrapped model in place (state dict names unchanged).
+
+        The whole wrapped module: under DDP that lets the compiler split the graph at DDP's
+        buckets, so gradient allreduce still overlaps the backward pass.
+        """
+        model.compile(mode=mode)
+        return model
+
+    def describe(self) -> dict[str, int | str]:
+        return {}
+
+    def reset_memory_stats(self) -> None:
+        for device in set(self.devices):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+
+    def memory_metrics(self, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+        """Peak memory since the last reset (the busiest device's, on CUDA)."""
+        return {"peak_mem_mb": max(peak_memory_mb(device) for device in set(self.devices))}
+
+
+class Sync:
+    """How replicas agree; this base: they need not, there is one, in this process."""
+
+    name = "none"
+    launcher: str | None = None  # what starts `nprocs` workers (accelexp.launch), or None
+    shards = False  # True: each replica holds a shard of the model, not a copy
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+
+    @classmethod
+    def label(cls, cfg: DictConfig) -> dict[str, str]:
+        """What a run's name shows of this sync, by the key that sets each part."""
+        return {}
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def join(self) -> World:
+        """Join (or make) the world of processes; its rank and size."""
+        return World()
+
+    def start(self, device: torch.device, shape: WorldShape) -> None:
+        """Open the communication between the processes, once their devices are chosen."""
+
+    def leave(self) -> None:
+        pass
+
+    # --- model and optimizer ----------------------------------------------------------------
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """The model as built, before it is placed (e.g. BatchNorm made synchronous)."""
+        return model
+
+    def wrap(self, model: nn.Module, device: torch.device, precision: str) -> nn.Module:
+        """The placed model, wrapped so replicas agree (`precision`: fp32, amp or bf16)."""
+        return model
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights, on the main rank (collective: every rank calls it)."""
+        return model.state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state: dict | None) -> None:
+        """Load the main rank's whole-model `state` (collective: every rank calls it)."""
+        model.load_state_dict(state)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The whole optimizer's state, on the main rank (collective: every rank calls it)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict | None
+    ) -> None:
+        """Load the main rank's whole optimizer `state` (collective: every rank calls it)."""
+        optimizer.load_state_dict(state)
+
+    def lr_factor(self, samples_factor: int, rule: str) -> float:
+        """The lr multiplier for `samples_factor` times the samples per step."""
+        return {"linear": samples_factor, "sqrt": math.sqrt(samples_factor), "none": 1}[rule]
+
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, accumulate_steps: int
+    ) -> torch.optim.Optimizer:
+        return optimizer
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
+        precision.step(optimizer)
+
+    def backward_context(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """Where a backward pass runs; `sync=False` for the micro-batches that only accumulate."""
+        return contextlib.nullcontext()
+
+    def describe(self) -> dict[str, int | str]:
+        return {}
+
+    # --- communication time (accelexp.diagnosis.accounting) -----------------------------------
+    def take_comm_time(self) -> CommTime | None:
+        return None
+
+    def comm_advice(self) -> list[tuple[str, str]]:
+        return []
+
+    # --- collectives -------------------------------------------------------------------------
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def barrier(self) -> None:
+        pass
+
+    def broadcast_object(self, obj: object) -> object:
+        return obj
+
+    def gather_object(self, obj: object) -> list:
+        return [obj]
+
+
+class Strategy:
+    """A placement × a sync, as the training loop sees it. `Strategy(cfg)`: one device, alone."""
+
+    name = "single"
+
+    def __init__(
+        self,
+        cfg: DictConfig,
+        device: str = "auto",
+        placement: Placement | None = None,
+        sync: Sync | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.placement = placement or Placement(cfg, device)
+        self.sync = sync or Sync(cfg)
+        self.name = cfg.get("name", self.name)
+        self.shape = WorldShape()
+        self.device = torch.device("cpu")  # where inputs go: the (first stage's) device
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.model: nn.Module | None = None
+
     # --- lifecycle ---------------------------------------------------------------------------
     def setup(self) -> None:
-        self.place_devices()
-
-    def place_devices(self) -> None:
-        """Choose this process's device(s), once the world's shape is known."""
-        self.device = resolve_device(self.device_request, self.local_rank)
+        """Join the world, choose the devices, build the world's shape, open communication."""
+        world = self.sync.join()
+        devices = self.placement.choose_devices(world.local_rank)
+        self.shape = WorldShape.build(world, devices, shards=self.sync.shards)
+        self.device = devices[0]
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.sync.start(self.device, self.shape)
 
     def teardown(self) -> None:
-        pass
+        self.sync.leave()
 
     # --- the world's shape (see WorldShape) ---------------------------------------------------
     @property
@@ -104,7 +286,7 @@ class Strategy:
 
     @property
     def replicas(self) -> int:
-        """Processes training on different samples, each with a copy of the model."""
+        """Processes training on different samples, each with a copy (or shard) of the model."""
         return self.shape.replicas
 
     @property
@@ -124,61 +306,95 @@ class Strategy:
     def accumulate_steps(self) -> int:
         return self.cfg.accumulate_steps
 
+    @property
+    def pipeline(self):
+        """The stages of a model split over devices (`model.Stages`), else None."""
+        return getattr(self.placement, "pipeline", None)
+
     def describe(self) -> dict[str, int | str]:
         """Facts about the world that are logged with the run."""
         return {
             **self.shape.describe(),
             "num_devices": self.num_devices,
             "device_type": self.device.type,
+            **self.placement.describe(),
+            **self.sync.describe(),
         }
 
     # --- memory ------------------------------------------------------------------------------
     def reset_memory_stats(self) -> None:
         """Start a new peak (called at each epoch's start)."""
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self.placement.reset_memory_stats()
 
     def memory_metrics(self) -> dict[str, float]:
-        """Peak memory since the last reset, logged each epoch."""
-        return {"peak_mem_mb": peak_memory_mb(self.device)}
+        """Peak memory since the last reset, and what the model's state holds on this process:
+        `state_mem_mb`, its parameters, gradients and optimizer state (a shard's, under FSDP)."""
+        metrics = self.placement.memory_metrics(self.optimizer)
+        if self.model is not None:
+            params = list(self.unwrap(self.model).parameters())
+            metrics["state_mem_mb"] = state_bytes(params, self.optimizer) / 2**20
+        return metrics
 
     # --- model and optimizer ----------------------------------------------------------------
     def place(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
-        """Put the model on this process's device(s); `input_shape` is one batch's shape."""
-        return model.to(self.device)
+        return self.placement.place(model, input_shape)
 
-    def wrap_model(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
-        return self.place(model, input_shape)
+    def wrap_model(
+        self,
+        model: nn.Module,
+        input_shape: Sequence[int] | None = None,
+        precision: str = "fp32",
+    ) -> nn.Module:
+        placed = self.place(self.sync.prepare(model), input_shape)
+        self.model = self.sync.wrap(placed, self.device, precision)
+        return self.model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module, e.g. for saving a checkpoint that loads anywhere."""
-        return model
+        return self.placement.unwrap(self.sync.unwrap(model))
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on the main rank, None elsewhere; every rank calls it."""
+        state = self.sync.model_state_dict(self.unwrap(model))
+        return state if self.is_main else None
+
+    def load_model_state_dict(self, model: nn.Module, state: dict | None) -> None:
+        """The main rank's whole-model weights into every rank's model; every rank calls it."""
+        self.sync.load_model_state_dict(self.unwrap(model), state)
+
+    def optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict | None:
+        """The whole optimizer's state on the main rank, None elsewhere; every rank calls it."""
+        state = self.sync.optimizer_state_dict(self.unwrap(model), optimizer)
+        return state if self.is_main else None
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict | None
+    ) -> None:
+        """The main rank's optimizer state into every rank's optimizer; every rank calls it."""
+        self.sync.load_optimizer_state_dict(self.unwrap(model), optimizer, state)
 
     def compile(self, model: nn.Module, mode: str) -> nn.Module:
-        """`torch.compile` the wrapped model in place (state dict names unchanged).
-
-        The whole wrapped module: under DDP that lets the compiler split the graph at DDP's
-        buckets, so gradient allreduce still overlaps the backward pass.
-        """
-        model.compile(mode=mode)
-        return model
+        return self.placement.compile(model, mode)
 
     def scale_lr(self, lr: float) -> float:
         """`parallelism.lr_scaling` with the number of samples per optimizer step."""
         factor = self.replicas * self.accumulate_steps
-        return lr * {"linear": factor, "sqrt": math.sqrt(factor), "none": 1}[self.cfg.lr_scaling]
+        return lr * self.sync.lr_factor(factor, self.cfg.lr_scaling)
 
     def wrap_optimizer(
         self, optimizer: torch.optim.Optimizer, model: nn.Module
     ) -> torch.optim.Optimizer:
-        return optimizer
+        self.optimizer = self.sync.wrap_optimizer(optimizer, model, self.accumulate_steps)
+        return self.optimizer
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
-        precision.step(optimizer)
+        self.sync.optimizer_step(optimizer, precision)
 
     def backward_context(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
         """Where a backward pass runs; `sync=False` for the micro-batches that only accumulate."""
-        return contextlib.nullcontext()
+        return self.sync.backward_context(model, sync)
 
     # --- data --------------------------------------------------------------------------------
     def train_sampler(self, num_samples: int, seed: int) -> Sampler[int]:
@@ -203,26 +419,26 @@ class Strategy:
     # --- communication time (accelexp.diagnosis.accounting) -----------------------------------
     def take_comm_time(self) -> CommTime | None:
         """The communication this strategy timed since the last call; None: it does none."""
-        return None
+        return self.sync.take_comm_time()
 
     def comm_advice(self) -> list[tuple[str, str]]:
         """Overrides that cut this strategy's communication, each with why (for a verdict)."""
-        return []
+        return self.sync.comm_advice()
 
     # --- collectives -------------------------------------------------------------------------
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+        return self.sync.reduce_sum(tensor)
 
     def reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+        return self.sync.reduce_max(tensor)
 
     def barrier(self) -> None:
-        pass
+        self.sync.barrier()
 
     def broadcast_object(self, obj: object) -> object:
         """Rank 0's `obj` on every rank (a checkpoint read on rank 0's disk only)."""
-        return obj
+        return self.sync.broadcast_object(obj)
 
     def gather_object(self, obj: object) -> list:
         """Every rank's `obj`, in rank order (e.g. the ranks' RNG states for a checkpoint)."""
-        return [obj]
+        return self.sync.gather_object(obj)

@@ -1,7 +1,9 @@
 """`parallelism=dp`: torch.nn.DataParallel — one process scatters each batch over its GPUs.
 
-As in the seed's ResNet-50 script. Asking for more GPUs than are present is an error; on a
-CPU-only machine the plain module runs (DataParallel has nothing to split there), said once.
+A placement (where one replica's layers live: copies on each of this process's GPUs, one batch
+split between them), with no sync between processes. As in the seed's ResNet-50 script.
+Asking for more GPUs than are present is an error; on a CPU-only machine the plain module runs
+(DataParallel has nothing to split there), said once.
 """
 
 from __future__ import annotations
@@ -12,39 +14,36 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from accelexp.config import ConfigError
-from accelexp.errors import AccelexpError
-from accelexp.parallel.base import Strategy
+from accelexp.errors import AccelexpError, ConfigError
+from accelexp.parallel.base import Placement, resolve_device
 
 log = logging.getLogger(__name__)
 
 
-class DataParallel(Strategy):
-    name = "dp"
+class DataParallelPlacement(Placement):
+    name = "dataparallel"
 
-    def setup(self) -> None:
-        super().setup()
-        available = torch.cuda.device_count() if self.device.type == "cuda" else 0
+    def choose_devices(self, local_rank: int) -> list[torch.device]:
+        first = resolve_device(self.device_request, local_rank)
+        if first.type != "cuda":
+            log.info("parallelism=dp on a CPU-only machine: running the plain module on the CPU")
+            self.device_ids: list[int] = []
+            self.devices = [first]
+            return self.devices
+        available = torch.cuda.device_count()
         wanted = list(self.cfg.devices) if self.cfg.devices is not None else list(range(available))
         missing = [d for d in wanted if d >= available]
-        if self.device.type == "cuda" and missing:
+        if missing:
             raise AccelexpError(
                 f"parallelism.devices={wanted} asks for GPU(s) {missing}, but this machine has "
                 f"{available} GPU(s) (ids 0..{available - 1}). Use fewer devices."
             )
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", wanted[0])
-            torch.cuda.set_device(self.device)
-        else:
-            log.info("parallelism=dp on a CPU-only machine: running the plain module on the CPU")
-        self.device_ids = wanted if self.device.type == "cuda" else []
+        self.device_ids = wanted
+        self.devices = [torch.device("cuda", d) for d in wanted]
+        return self.devices
 
-    @property
-    def num_devices(self) -> int:
-        return max(1, len(self.device_ids))
-
-    def wrap_model(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
-        model = self.place(model, input_shape)
+    def place(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
+        model = model.to(self.devices[0])
         if len(self.device_ids) > 1:
             return nn.DataParallel(model, device_ids=self.device_ids)
         return model

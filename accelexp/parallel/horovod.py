@@ -1,4 +1,8 @@
-"""`parallelism=horovod`: the recipe of Horovod's PyTorch examples, complete.
+"""`HorovodSync`: replicas agree through Horovod, the recipe of its PyTorch examples, complete.
+
+`parallelism=horovod` is one device × Horovod; `hybrid` with `engine: horovod` is stages ×
+Horovod (Horovod's layout for model parallelism: each worker has several GPUs and submits the
+same tensors as the others).
 
 `hvd.init()`; each worker pinned to GPU `hvd.local_rank()`; a DistributedSampler per rank;
 `hvd.DistributedOptimizer(named_parameters=...)` with `compression` (none/fp16),
@@ -21,16 +25,14 @@ records every tensor's negotiation and allreduce.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
 
 from accelexp.diagnosis.accounting import CommTime
 from accelexp.errors import AccelexpError
-from accelexp.parallel.base import Strategy
-from accelexp.parallel.world import WorldShape, current_world
+from accelexp.parallel.base import Sync
+from accelexp.parallel.world import World, WorldShape, current_world
 from accelexp.precision import Precision
 
 SETUP_HINT = "Run the setup, which builds it against the installed torch: `make setup`."
@@ -74,38 +76,39 @@ def contiguous(compression: type) -> type:
     return Contiguous
 
 
-class Horovod(Strategy):
+class HorovodSync(Sync):
     name = "horovod"
     launcher = "horovodrun"
 
-    def __init__(self, cfg: DictConfig, device: str = "auto") -> None:
-        super().__init__(cfg, device)
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
         self.hvd = _import_horovod()
         self.comm = CommTime()
 
-    def setup(self) -> None:
+    def join(self) -> World:
         hvd = self.hvd
         hvd.init()
-        self.shape = WorldShape(replicas=hvd.size(), rank=hvd.rank(), local_rank=hvd.local_rank())
         world = current_world()
-        if world.world_size != self.replicas:  # e.g. srun tasks of a Gloo-only Horovod
+        if world.world_size != hvd.size():  # e.g. srun tasks of a Gloo-only Horovod
             raise AccelexpError(
                 f"{world.source} started {world.world_size} processes, but Horovod formed a world "
-                f"of {self.replicas}: this Horovod cannot join a {world.source} world (that "
+                f"of {hvd.size()}: this Horovod cannot join a {world.source} world (that "
                 f"needs an MPI build). Start the job with horovodrun instead, e.g. inside the "
                 f"allocation: horovodrun -np {world.world_size} -H <hosts> python run.py ..."
             )
-        self.place_devices()
+        return World(hvd.rank(), hvd.size(), hvd.local_rank(), world.source)
 
-    def teardown(self) -> None:
+    def start(self, device: torch.device, shape: WorldShape) -> None:
+        pass  # hvd.init() opened the communication
+
+    def leave(self) -> None:
         self.hvd.shutdown()
 
-    def scale_lr(self, lr: float) -> float:
+    def lr_factor(self, samples_factor: int, rule: str) -> float:
         # Adasum adapts the combined step itself: Horovod's examples do not scale its lr by size
-        return lr if self.cfg.op == "adasum" else super().scale_lr(lr)
+        return 1 if self.cfg.op == "adasum" else super().lr_factor(samples_factor, rule)
 
-    def wrap_model(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
-        model = self.place(model, input_shape)
+    def wrap(self, model: nn.Module, device: torch.device, precision: str) -> nn.Module:
         state = model.state_dict()
         # Horovod sends contiguous tensors only: channels_last weights travel as NCHW copies
         sent = {k: t if t.is_contiguous() else t.contiguous() for k, t in state.items()}
@@ -116,7 +119,7 @@ class Horovod(Strategy):
         return model
 
     def wrap_optimizer(
-        self, optimizer: torch.optim.Optimizer, model: nn.Module
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, accumulate_steps: int
     ) -> torch.optim.Optimizer:
         hvd = self.hvd
         bf16 = [name for name, p in model.named_parameters() if p.dtype == torch.bfloat16]
@@ -137,7 +140,7 @@ class Horovod(Strategy):
             compression=contiguous(
                 hvd.Compression.fp16 if self.cfg.compression == "fp16" else hvd.Compression.none
             ),
-            backward_passes_per_step=self.accumulate_steps,
+            backward_passes_per_step=accumulate_steps,
             op=hvd.Adasum if self.cfg.op == "adasum" else hvd.Average,
         )
 

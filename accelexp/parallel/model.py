@@ -1,8 +1,11 @@
-"""`parallelism=model`: one process, the model cut into stages over several devices.
+"""The `Stages` placement: a replica's model cut into stages over several devices.
 
-Stage k runs on `devices[k % len(devices)]`; with `devices: null` the stages go one per GPU over
-the visible GPUs, or all on the CPU where there is none (the same code path, which is how it is
-tested here). `chunks` micro-batches per batch are pipelined GPipe-style (`pipeline.py`).
+`parallelism=model` is stages × no sync (one process); `parallelism=hybrid` is stages × DDP or
+Horovod (one replica per worker). Stage k runs on `devices[k % len(devices)]`; with `devices:
+null` the stages go one per GPU over this replica's GPUs (all visible GPUs for `model`; local
+rank r of `hybrid` takes GPUs r*D .. r*D+D-1, D = `devices_per_replica`), or all on the CPU
+where there is none (the same code path, which is how it is tested here). `chunks`
+micro-batches per batch are pipelined GPipe-style (`pipeline.py`).
 
 Precision needs nothing special: every stage runs inside the loop's autocast context, which
 applies to all devices of its type in this thread (so all stages must be of one device type),
@@ -17,14 +20,14 @@ micro-batches, counted by a saved-tensors hook on the epoch's first step.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
+from omegaconf import DictConfig
 
-from accelexp.config import ConfigError
-from accelexp.parallel.base import Strategy, peak_memory_mb, resolve_device
+from accelexp.errors import ConfigError
+from accelexp.parallel.base import Placement, peak_memory_mb, resolve_device, state_bytes
 from accelexp.parallel.pipeline import Pipeline, split_layers
 
 
@@ -62,29 +65,57 @@ def parse_devices(requested: Sequence[str]) -> list[torch.device]:
     return devices
 
 
-class SplitModel:
-    """A `Strategy` mixin: each process's model is a `Pipeline` of stages over `stage_devices()`.
+class Stages(Placement):
+    """Each replica's model is a `Pipeline` of stages over this worker's devices."""
 
-    Shared by `model` (one process) and `hybrid` (one such replica per worker, synced by DDP or
-    Horovod); the subclass says which devices a replica's stages run on.
-    """
-
-    cfg: object
-    device: torch.device
-    shape: object
+    name = "stages"
     pipeline: Pipeline | None = None  # set by place()
-    optimizer: torch.optim.Optimizer | None = None  # set by wrap_optimizer(), for its state
 
-    def stage_devices(self) -> list[torch.device]:
-        """Device of stage k, for every stage of this process's replica."""
-        raise NotImplementedError
+    @classmethod
+    def devices_per_worker(cls, cfg: DictConfig) -> int:
+        return cfg.get("devices_per_replica") or 1
 
-    def place_devices(self) -> None:
-        self.devices = self.stage_devices()
-        self.device = self.devices[0]  # the inputs, the labels and the outputs live here
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self.shape = dataclasses.replace(self.shape, devices_per_replica=len(set(self.devices)))
+    @classmethod
+    def label(cls, cfg: DictConfig) -> dict[str, str]:
+        stages = cfg.stages or cfg.get("devices_per_replica") or ""
+        return {"parallelism.chunks": f"s{stages}c{cfg.chunks}"}
+
+    def choose_devices(self, local_rank: int) -> list[torch.device]:
+        cfg = self.cfg
+        requested, per_replica = cfg.get("devices"), cfg.get("devices_per_replica")
+        stages = cfg.stages or (len(requested) if requested else per_replica or 2)
+        if requested:
+            self.devices = self._listed(requested, stages)
+            return self.devices
+        if resolve_device(self.device_request).type == "cpu":
+            self.devices = [torch.device("cpu")] * stages
+            return self.devices
+        gpus = torch.cuda.device_count()
+        per_replica = per_replica or gpus
+        first = local_rank * per_replica if cfg.get("devices_per_replica") else 0
+        if first + per_replica > gpus:
+            raise ConfigError(
+                f"replica {local_rank} on this machine needs GPUs {first}..."
+                f"{first + per_replica - 1} (parallelism.devices_per_replica={per_replica}), but "
+                f"the machine has {gpus}. Start at most {gpus // per_replica} replicas per machine "
+                f"(parallelism.nprocs), or lower parallelism.devices_per_replica."
+            )
+        self.devices = [torch.device("cuda", first + k % per_replica) for k in range(stages)]
+        return self.devices
+
+    def _listed(self, requested: Sequence[str], stages: int) -> list[torch.device]:
+        if len(requested) > stages:
+            raise ConfigError(
+                f"parallelism.devices lists {len(requested)} devices for parallelism.stages="
+                f"{stages}: the extra devices would sit idle. Set parallelism.stages="
+                f"{len(requested)}, or list fewer devices."
+            )
+        devices = parse_devices(requested)
+        if self.device_request == "cpu" and devices[0].type != "cpu":
+            raise ConfigError(
+                f"device=cpu, but parallelism.devices={list(requested)}: drop one or the other."
+            )
+        return [devices[k % len(devices)] for k in range(stages)]
 
     def place(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
         cfg, example = self.cfg, None
@@ -99,7 +130,6 @@ class SplitModel:
         return self.pipeline
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        model = super().unwrap(model)
         return model.module if isinstance(model, Pipeline) else model
 
     def compile(self, model: nn.Module, mode: str) -> nn.Module:
@@ -108,15 +138,8 @@ class SplitModel:
             stage.compile(mode=mode)
         return model
 
-    def wrap_optimizer(
-        self, optimizer: torch.optim.Optimizer, model: nn.Module
-    ) -> torch.optim.Optimizer:
-        self.optimizer = super().wrap_optimizer(optimizer, model)
-        return self.optimizer
-
     def describe(self) -> dict[str, int | str]:
-        facts = {
-            **super().describe(),
+        facts: dict[str, int | str] = {
             "stages": len(self.devices),
             "split_points": str(self.split_points),
         }
@@ -132,55 +155,20 @@ class SplitModel:
         return facts
 
     def reset_memory_stats(self) -> None:
-        for device in set(self.devices):
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
+        super().reset_memory_stats()
         if self.pipeline is not None:
             self.pipeline.measure_saved = True
 
-    def memory_metrics(self) -> dict[str, float]:
-        metrics = super().memory_metrics()  # the process's peak RSS on a CPU
-        if self.device.type == "cuda":
+    def memory_metrics(self, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
+        metrics = super().memory_metrics(optimizer)  # the busiest GPU, or the process's peak RSS
+        if self.devices[0].type == "cuda":
             peaks = [peak_memory_mb(device) for device in self.devices]
-            metrics["peak_mem_mb"] = max(peaks)
         else:
-            peaks = [self._held_mb(k) for k in range(len(self.devices))]
+            peaks = [self._held_mb(k, optimizer) for k in range(len(self.devices))]
         return metrics | {f"stage{k}_peak_mem_mb": mb for k, mb in enumerate(peaks)}
 
-    def _held_mb(self, stage: int) -> float:
+    def _held_mb(self, stage: int, optimizer: torch.optim.Optimizer | None) -> float:
         """Parameters, gradients, optimizer state and saved activations of one stage, in MiB."""
         params = list(self.pipeline.stages[stage].parameters())
-        state = self.optimizer.state if self.optimizer is not None else {}
-        tensors = [
-            *params,
-            *(p for p in params if p.requires_grad),  # each gradient is the size of its parameter
-            *(v for p in params for v in state.get(p, {}).values() if torch.is_tensor(v)),
-        ]
-        held = sum(t.numel() * t.element_size() for t in tensors)
+        held = state_bytes(params, optimizer)
         return (held + self.pipeline.saved_bytes[stage]) / 2**20
-
-
-class ModelParallel(SplitModel, Strategy):
-    name = "model"
-
-    def stage_devices(self) -> list[torch.device]:
-        requested = self.cfg.devices
-        stages = self.cfg.stages or (len(requested) if requested else 2)
-        if requested is None:
-            first = resolve_device(self.device_request)
-            if first.type == "cpu":
-                return [first] * stages
-            gpus = torch.cuda.device_count()
-            return [torch.device("cuda", k % gpus) for k in range(stages)]
-        if len(requested) > stages:
-            raise ConfigError(
-                f"parallelism.devices lists {len(requested)} devices for parallelism.stages="
-                f"{stages}: the extra devices would sit idle. Set parallelism.stages="
-                f"{len(requested)}, or list fewer devices."
-            )
-        devices = parse_devices(requested)
-        if self.device_request == "cpu" and devices[0].type != "cpu":
-            raise ConfigError(
-                f"device=cpu, but parallelism.devices={list(requested)}: drop one or the other."
-            )
-        return [devices[k % len(devices)] for k in range(stages)]

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn as nn
 
-from accelexp.config import ConfigError
+from accelexp.errors import ConfigError
 from accelexp.models import layer_sequence
 
 

@@ -1,7 +1,7 @@
 """`parallelism=single`: one process on one device (the CPU or this process's GPU).
 
-The base `Strategy` already behaves as a world of one; this module names it, so that each
-`parallelism` option has its own module as the others do.
+The base `Placement` (one device) × the base `Sync` (no other replicas); this module names it,
+so that each `parallelism` option has a module, as the others do.
 """
 
 from accelexp.parallel.base import Strategy

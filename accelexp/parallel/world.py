@@ -13,8 +13,14 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from accelexp.errors import AccelexpError, ConfigError
+
+if TYPE_CHECKING:  # torch is imported by the code that builds a shape, not by launchers
+    import torch
 
 _SOURCES = {
     "horovodrun": ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK"),
@@ -43,13 +49,46 @@ class WorldShape:
 
     `replicas` copies of the model train on different samples (data parallelism: one process
     each); each replica is split over `devices_per_replica` devices (model parallelism: the
-    distinct devices its stages run on). Like torchtitan's `ParallelDims`, one object owns it.
+    distinct devices its stages run on). Like torchtitan's `ParallelDims`, one object owns it,
+    built and checked once by `WorldShape.build` when the strategy has joined its world.
     """
 
     replicas: int = 1
     devices_per_replica: int = 1
     rank: int = 0  # this process's replica
     local_rank: int = 0  # its index among the processes on this machine
+
+    @classmethod
+    def build(cls, world: World, devices: Sequence[torch.device], shards: bool) -> WorldShape:
+        """The shape of `world`, whose processes each drive one replica over `devices`.
+
+        `shards`: the replicas hold shards of one model (FSDP), so each needs a device of its
+        own; a process on a GPU another process of the machine also uses is refused.
+        """
+        if not devices:
+            raise ConfigError("a replica needs at least one device")
+        shape = cls(
+            replicas=world.world_size,
+            devices_per_replica=len(set(devices)),
+            rank=world.rank,
+            local_rank=world.local_rank,
+        )
+        if not 0 <= shape.rank < shape.replicas:
+            raise AccelexpError(
+                f"rank {shape.rank} is outside a world of {shape.replicas} processes: the "
+                f"launcher's environment ({world.source}) is inconsistent."
+            )
+        import torch
+
+        gpus = torch.cuda.device_count() if devices[0].type == "cuda" else 0
+        if shards and gpus and shape.local_rank >= gpus:
+            raise ConfigError(
+                f"parallelism=fsdp shards the model over one GPU per worker, but worker "
+                f"{shape.local_rank} of this machine has no GPU of its own (the machine has "
+                f"{gpus}). Start at most {gpus} workers per machine (parallelism.nprocs), "
+                f"or use device=cpu."
+            )
+        return shape
 
     @property
     def world_size(self) -> int:

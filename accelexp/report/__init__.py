@@ -9,12 +9,15 @@ refused one says why, under the table).
     accelexp-report --sweep <parent run id> --baseline "world_size=1,precision=fp32,parallelism=ddp"
     accelexp-report --experiment speedups --sweep latest
     accelexp-report --sweep latest --diagnose
+    accelexp-report --experiment memory_vs_speed --memory
 
 - `compare` — one `Row` per run: steady-state throughput, speedup against a like-for-like
   baseline, efficiency, AMP gain over a like-for-like fp32 run; `Row.note` says why a figure is
   blank.
 - `ladder` — one `LadderRow` per rung of `+experiment=speedups`: gain over the last, over fp32.
 - `diagnose` — one `DiagnosisRow` per run: its step time's shares, its bound, the next override.
+- `memory` — one row per run of `+experiment=memory_vs_speed`: speed, memory per device, the
+  largest batch that fit; `memory_vs_speed.png`.
 - `formats` — CSV, JSON, markdown and rich tables of any of them (the rich ones at a glance in
   100 columns, or `--wide`); summary/ladder/diagnosis files.
 - `plots` — the PNGs: throughput, efficiency, accuracy vs time, the ladder's bars, time breakdown.

@@ -11,7 +11,9 @@ table, a second markdown table under a heading, a second CSV block after a blank
 
 With `--diagnose` the command reports where each run's step time went instead: the diagnosis
 table (stdout, diagnosis.csv/.md) and the stacked bars of time_breakdown.png; the comparison's
-files are left as they are, and no baseline is needed.
+files are left as they are, and no baseline is needed. With `--memory`, likewise, each run's
+speed against its memory per device (`accelexp.report.memory`): the memory table (stdout,
+memory.csv/.md) and memory_vs_speed.png.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from accelexp.report.formats import (
 )
 from accelexp.report.html import write_html
 from accelexp.report.ladder import LadderRow, ladder, ladder_subject
+from accelexp.report.memory import MEMORY, MEMORY_PLOT, MemoryRow, memory_rows, write_memory_report
 from accelexp.report.plots import LADDER_PLOT, PLOT_NAMES, TIME_PLOT, write_plots, write_time_plot
 from accelexp.tracking import query
 from accelexp.tracking.query import RunRecord
@@ -133,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         '  accelexp-report --sweep latest --baseline "world_size=1,precision=fp32,'
         'parallelism=ddp"\n'
         "  accelexp-report --experiment speedups --sweep latest\n"
-        "  accelexp-report --sweep latest --diagnose",
+        "  accelexp-report --sweep latest --diagnose\n"
+        "  accelexp-report --experiment memory_vs_speed --memory",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--experiment", metavar="NAME", help="all runs of this MLflow experiment")
@@ -166,12 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-dir", type=Path, help="default: outputs/reports/<sweep or experiment name>"
     )
     parser.add_argument("--no-plots", action="store_true", help="write the tables only")
-    parser.add_argument(
+    instead = parser.add_mutually_exclusive_group()
+    instead.add_argument(
         "--diagnose",
         action="store_true",
         help="instead of the comparison: where each run's step time went (input, forward+"
         "backward, optimizer, communication, other) and what bounds it, with the override to "
         "try next; writes diagnosis.csv/.md and time_breakdown.png",
+    )
+    instead.add_argument(
+        "--memory",
+        action="store_true",
+        help="instead of the comparison: each run's samples/s against its memory per device "
+        "(peak, training state) and the largest batch that fit (max_batch.search=true, on a "
+        "GPU); writes memory.csv/.md and memory_vs_speed.png",
     )
     return parser
 
@@ -226,6 +238,23 @@ def _print_diagnosis(rows: Sequence[DiagnosisRow], title: str, fmt: str) -> None
         sys.stdout.write(diagnosis_markdown(rows))
 
 
+def _print_memory(rows: Sequence[MemoryRow], title: str, fmt: str) -> None:
+    """The memory table in the format asked for; a rich table folds to BRIEF_WIDTH."""
+    if fmt == "table":
+        from rich.console import Console
+
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=BRIEF_WIDTH)
+        console.print(render_table(rows, title, MEMORY), width=min(console.width, BRIEF_WIDTH))
+    elif fmt == "json":
+        sys.stdout.write(to_json(rows))
+    elif fmt == "csv":
+        sys.stdout.write(to_csv(rows, MEMORY))
+    else:
+        sys.stdout.write(to_markdown(rows, MEMORY))
+
+
 def _tell_written(written: Sequence[Path], out_dir: Path, plots: Sequence[str]) -> None:
     """On stderr: the files written, and the plots skipped for want of data."""
     print(f"Wrote {', '.join(p.name for p in written)} to {out_dir}", file=sys.stderr)
@@ -270,6 +299,15 @@ def _diagnosis(
     _tell_written(written, out_dir, [] if args.no_plots else [TIME_PLOT])
 
 
+def _memory(args: argparse.Namespace, title: str, records: list[RunRecord], out_dir: Path) -> None:
+    """Speed against memory per device: computed and written, then printed."""
+    rows = memory_rows(records)
+    written = write_memory_report(rows, out_dir, plots=not args.no_plots)
+
+    _print_memory(rows, f"Memory vs speed: {title}", args.format)
+    _tell_written(written, out_dir, [] if args.no_plots else [MEMORY_PLOT])
+
+
 def main(argv: list[str] | None = None) -> int:
     """The `accelexp-report` command. Exit 0, or 2 with one line on stderr."""
     parser = build_parser()
@@ -280,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         parse_baseline(args.baseline)
         name, title, records = _select(args)
         out_dir = args.output_dir or Path("outputs") / "reports" / _safe_name(name)
-        report = _diagnosis if args.diagnose else _comparison
+        report = _diagnosis if args.diagnose else _memory if args.memory else _comparison
         report(args, title, records, out_dir)
     except (AccelexpError, OSError) as error:
         print(f"accelexp-report: error: {error}", file=sys.stderr)

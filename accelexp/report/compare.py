@@ -40,7 +40,7 @@ from accelexp.tracking.query import RunRecord
 DEFAULT_BASELINE = "world_size=1,precision=fp32"
 BASELINE_KEYS = ("world_size", "precision", "parallelism", "model", "data", "speed")
 CONFIG_KEYS = ("parallelism", "world_size", "precision", "speed", "model", "data")  # a run's name
-PARALLELISM_ORDER = ("single", "dp", "ddp", "horovod", "model", "hybrid")
+PARALLELISM_ORDER = ("single", "dp", "ddp", "horovod", "fsdp", "model", "hybrid")
 PRECISION_ORDER = ("fp32", "amp", "bf16")
 SPEED_ORDER = ("eager",)  # then the others alphabetically
 SETTING_DEFAULTS = {"speed": "eager"}  # what runs logged before the setting existed had
@@ -56,7 +56,7 @@ IGNORED_KEYS = frozenset(
      "data.download", "data.eval_batch_size", "data.num_test", "num_params", "train_samples",
      "device"}
 )  # fmt: skip
-IGNORED_PREFIXES = ("mlflow.",)
+IGNORED_PREFIXES = ("mlflow.", "max_batch.")
 # params that repeat a config tag (compared as the tag)
 TAGGED_PARAMS = {"model.name", "data.name", "parallelism.name", "precision.name", "world_size"}
 COMPARED_TAGS = (*CONFIG_KEYS, "device")  # "device": the tag only, e.g. "NVIDIA H200"
@@ -64,7 +64,7 @@ COMPARED_TAGS = (*CONFIG_KEYS, "device")  # "device": the tag only, e.g. "NVIDIA
 # the world's shape, and how a CPU's cores are split among its workers (`threads`: left unset,
 # the launcher gives each of N workers 1/N of the cores, so 1 and 2 workers differ in it)
 WORLD_FACTS = re.compile(r"(world_size|replicas|devices_per_replica|num_devices|stages|"
-                         r"split_points|stage\d+_\w+|threads)")  # fmt: skip
+                         r"split_points|stage\d+_\w+|fsdp_units|threads)")  # fmt: skip
 PRECISION_KEYS = re.compile(r"precision(\..+)?")
 SPEEDUP_VARIES = re.compile(rf"parallelism(\..+)?|{PRECISION_KEYS.pattern}|{WORLD_FACTS.pattern}")
 AMP_VARIES = PRECISION_KEYS

@@ -393,7 +393,12 @@ def where_to_look(
     return f"{link} (UI: mlflow ui --backend-store-uri {credentials.redact(uri)})"
 
 
-def run_name(cfg: DictConfig, speed: str = "eager", overrides: Sequence[str] = ()) -> str:
+def run_name(
+    cfg: DictConfig,
+    speed: str = "eager",
+    overrides: Sequence[str] = (),
+    parallelism: Mapping[str, str] | None = None,
+) -> str:
     """`mlflow.run_name`, or what differs between runs: e.g. resnet18-horovod-np4-amp, and the
     speed switches that are on (`SpeedSwitches.summary()`), e.g. resnet50-single-bf16-tf32+cl.
 
@@ -402,7 +407,7 @@ def run_name(cfg: DictConfig, speed: str = "eager", overrides: Sequence[str] = (
     so rows stay told apart; no two jobs of a sweep share a name."""
     if cfg.mlflow.run_name:
         return cfg.mlflow.run_name
-    parts = _name_parts(cfg, speed)
+    parts = _name_parts(cfg, speed, parallelism or {"parallelism": cfg.parallelism.name})
     swept = [k for k in os.environ.get(SWEPT_KEYS_ENV, "").split(",") if k]
     values = {}
     for override in overrides:
@@ -422,17 +427,10 @@ def _short(key: str, value: str) -> str:
     return f"{key.rpartition('.')[2]}={value}"
 
 
-def _name_parts(cfg: DictConfig, speed: str) -> dict[str, str]:
-    """The parts of a derived run name, by the key that sets each."""
-    parallelism = cfg.parallelism
-    parts = {"model": cfg.model.name, "parallelism": parallelism.name}
-    if "engine" in parallelism:  # hybrid: what syncs the replicas
-        parts["parallelism.engine"] = parallelism.engine
-    if parallelism.nprocs > 1:
-        parts["parallelism.nprocs"] = f"np{parallelism.nprocs}"
-    if "chunks" in parallelism:  # model, hybrid: stages and micro-batches
-        stages = parallelism.stages or parallelism.get("devices_per_replica") or ""
-        parts["parallelism.chunks"] = f"s{stages}c{parallelism.chunks}"
+def _name_parts(cfg: DictConfig, speed: str, parallelism: Mapping[str, str]) -> dict[str, str]:
+    """The parts of a derived run name, by the key that sets each; `parallelism` is what the
+    strategy says of itself (`accelexp.parallel.run_label`), e.g. hybrid-ddp-np2-s2c1."""
+    parts = {"model": cfg.model.name, **parallelism}
     parts["precision"] = cfg.precision.name
     if speed != "eager":
         parts["speed"] = speed
@@ -466,6 +464,7 @@ def record_failure(
     error: str,
     tags: Mapping[str, str] | None = None,
     overrides: Sequence[str] = (),
+    parallelism: Mapping[str, str] | None = None,
 ) -> str | None:
     """Keep a job's failure in MLflow: `error.txt` on its run, created FAILED if it never began.
 
@@ -481,7 +480,8 @@ def record_failure(
         if id_file.is_file():
             tracker.run_id = id_file.read_text().strip()
         else:
-            tracker.start(run_name(cfg, overrides=overrides), {}, tags or {})
+            name = run_name(cfg, overrides=overrides, parallelism=parallelism)
+            tracker.start(name, {}, tags or {})
         tracker._client.log_text(tracker.run_id, error, "error.txt")
         tracker._client.set_terminated(tracker.run_id, status="FAILED")
     except Exception as failure:  # the store took the run's data but takes no more

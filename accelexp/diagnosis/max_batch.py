@@ -1,0 +1,171 @@
+"""The largest per-worker batch that fits on the device, searched after training (`max_batch`).
+
+With `max_batch.search=true` (the memory-vs-speed study turns it on), a run that trained on a
+CUDA GPU goes on, after its test evaluation, to double the per-worker batch from
+`data.batch_size` — each trial one real training step (forward and loss under the run's
+autocast, backward with its loss scaling, the strategy's optimizer step) on random inputs of the
+sample's shape — until a trial runs out of memory or the batch would pass `max_batch.limit`.
+Every rank takes part in every trial, and the ranks agree each trial's outcome through the
+strategy's `reduce_max` (one rank out of memory ends the search for all), so no rank waits in a
+collective for a rank that stopped. The allocator's cache is emptied between trials.
+
+It records the metric `max_batch` (the largest batch that fit, per worker) and the tag
+`max_batch` saying how it was found. On a CPU there is no search — no out-of-memory signal, the
+operating system swaps instead — and the tag says so, with no metric.
+
+The trials change the weights, optimizer state and loss scale of the trained model: the search
+runs after the last checkpoint and the test, so nothing of it is saved or reported as training.
+Ranks on devices of the same size run out of memory at the same step; a world of unlike devices
+could see one rank fail inside a collective of the step (e.g. DDP's gradient allreduce) while
+another waits there — give such a world no search.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from accelexp.diagnosis.run import is_out_of_memory
+from accelexp.parallel.base import Strategy
+from accelexp.precision import Precision
+from accelexp.tracking import Tracker
+
+log = logging.getLogger(__name__)
+
+METRIC = TAG = "max_batch"
+
+
+@dataclass(frozen=True)
+class MaxBatch:
+    """What the search found: the largest batch that fit (None: none, or not searched), and how."""
+
+    batch_size: int | None
+    how: str
+
+
+def not_searched_on(device: torch.device) -> MaxBatch:
+    return MaxBatch(None, f"not searched: needs a CUDA GPU (device {device.type})")
+
+
+def search(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    strategy: Strategy,
+    sample_shape: Sequence[int],
+    num_classes: int,
+    start: int,
+    limit: int,
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> MaxBatch:
+    """Double the per-worker batch from `start` while a training step fits, up to `limit`.
+
+    Every rank must call this with the same arguments (the trials are collective). On a device
+    other than CUDA nothing is tried (`not_searched_on`)."""
+    device = strategy.device
+    if device.type != "cuda":
+        return not_searched_on(device)
+    if start > limit:
+        return MaxBatch(
+            None, f"not searched: data.batch_size={start} is above max_batch.limit={limit}"
+        )
+    trial = _Trial(model, optimizer, precision, strategy, sample_shape, num_classes, memory_format)
+    fit = too_big = None
+    batch = start
+    model.train()
+    while batch <= limit:
+        if not trial(batch):
+            too_big = batch
+            break
+        fit, batch = batch, batch * 2
+    origin = f"doubling the per-worker batch from data.batch_size={start}"
+    if fit is None:
+        return MaxBatch(None, f"{origin}: even {start} ran out of memory after training")
+    if too_big is None:
+        return MaxBatch(
+            fit, f"{origin}: {fit} fit; stopped at max_batch.limit={limit} with memory to spare"
+        )
+    return MaxBatch(fit, f"{origin}: {fit} fit, {too_big} ran out of memory")
+
+
+class _Trial:
+    """One training step at a given batch on random inputs; True when every rank's step fit."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        strategy: Strategy,
+        sample_shape: Sequence[int],
+        num_classes: int,
+        memory_format: torch.memory_format,
+    ) -> None:
+        self.model, self.optimizer, self.precision = model, optimizer, precision
+        self.strategy, self.sample_shape = strategy, tuple(sample_shape)
+        self.num_classes, self.memory_format = num_classes, memory_format
+
+    def __call__(self, batch: int) -> bool:
+        fits = True
+        try:
+            self.step(batch)
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
+            if not is_out_of_memory(error):
+                raise
+            fits = False
+        # here, not in the handler: the error's frames, and the tensors they hold, are gone
+        self.optimizer.zero_grad()
+        torch.cuda.empty_cache()
+        failed = torch.tensor(0.0 if fits else 1.0, device=self.strategy.device)
+        fits = self.strategy.reduce_max(failed).item() == 0.0
+        if self.strategy.is_main:
+            log.info("max_batch search: batch %d %s", batch, "fits" if fits else "is too big")
+        return fits
+
+    def step(self, batch: int) -> None:
+        device, strategy, precision = self.strategy.device, self.strategy, self.precision
+        images = torch.randn(batch, *self.sample_shape, device=device)
+        images = images.contiguous(memory_format=self.memory_format)
+        labels = torch.randint(self.num_classes, (batch,), device=device)
+        with strategy.backward_context(self.model, sync=True):
+            with precision.autocast():
+                logits = self.model(images)
+                loss = F.cross_entropy(logits, labels.to(logits.device))
+            precision.backward(loss)
+        strategy.optimizer_step(self.optimizer, precision)
+        torch.cuda.synchronize(device)  # an asynchronous failure surfaces inside the trial
+
+
+def after_training(
+    cfg: DictConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    strategy: Strategy,
+    sample_shape: Sequence[int],
+    num_classes: int,
+    tracker: Tracker,
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> MaxBatch | None:
+    """With `max_batch.search=true`: the search (`search`) on inputs laid out as the run's
+    batches (`memory_format`), its tag and metric recorded; None (nothing recorded) when the
+    search is off."""
+    settings = OmegaConf.select(cfg, "max_batch")
+    if settings is None or not settings.search:
+        return None
+    result = search(
+        model, optimizer, precision, strategy, sample_shape, num_classes,
+        cfg.data.batch_size, settings.limit, memory_format,
+    )  # fmt: skip
+    tracker.set_tags({TAG: result.how})
+    if result.batch_size is not None:
+        tracker.log_metrics({METRIC: result.batch_size}, step=cfg.epochs)
+    if strategy.is_main:
+        log.info("max_batch: %s", result.how)
+    return result

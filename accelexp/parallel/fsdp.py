@@ -1,0 +1,125 @@
+"""`FSDPSync`: replicas hold shards of one model — PyTorch's FSDP2 (`fully_shard`).
+
+`parallelism=fsdp` is one device × FSDP, one process per device, started and joined like `ddp`
+(torchrun, srun, a world a launcher made; `distributed.py`). Each worker stores 1/N of every
+parameter, its gradient and its optimizer state (ZeRO-3); a unit's full parameters are
+all-gathered just before its forward (and again before its backward when
+`reshard_after_forward`), and gradients are reduce-scattered to their owners after the backward.
+
+- `granularity: block`: every layer of the model's layer sequence that holds parameters
+  (`accelexp.models.layer_sequence`: a ResNet's residual blocks, a ViT's encoder blocks) is its
+  own FSDP unit, then the root; only one or two units are unsharded at a time. `model`: one
+  unit, the whole model (ZeRO-3's memory only between steps).
+- `reshard_after_forward`: free the gathered parameters after each unit's forward (less memory,
+  one more all-gather in the backward pass); false keeps them until the backward (ZeRO-2-like).
+- Mixed precision follows `precision`: bf16 (or fp16 for amp on CUDA) parameters in forward and
+  backward with fp32 master weights and optimizer; gradients reduced in fp32
+  (`reduce_in_fp32: false` reduces them in the compute dtype). fp16 on CUDA uses the run's
+  ordinary GradScaler: under FSDP2 gradients are DTensors, and GradScaler's inf check on them
+  covers every shard.
+- `cpu_offload`: parameters, gradients and optimizer state live in host memory, on CUDA only.
+- Gradient accumulation: the micro-batches that only accumulate skip the reduce-scatter
+  (`set_requires_gradient_sync(False)`).
+- Checkpoints: the full state, gathered to rank 0 (`torch.distributed.checkpoint.state_dict`
+  with `full_state_dict`), so best.pt loads into a plain model in a single process; resuming
+  loads it back, broadcast from rank 0 and resharded.
+
+On the CPU, Gloo runs FSDP2's all-gather and reduce-scatter (torch 2.11 and 2.14).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from accelexp.errors import ConfigError
+from accelexp.models import layer_sequence
+from accelexp.parallel.distributed import TorchDistributed
+
+GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
+SCATTERED = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The dtype FSDP gives the parameters in forward and backward (None: fp32 as stored)."""
+    if precision == "bf16" or (precision == "amp" and device.type != "cuda"):
+        return torch.bfloat16
+    return torch.float16 if precision == "amp" else None
+
+
+class FSDPSync(TorchDistributed):
+    name = "fsdp"
+    shards = True
+
+    def wrap(self, model: nn.Module, device: torch.device, precision: str) -> nn.Module:
+        cfg = self.cfg
+        if cfg.cpu_offload and device.type != "cuda":
+            raise ConfigError(
+                "parallelism.cpu_offload=true moves FSDP's shards from GPU memory to host memory, "
+                "but this run is on the CPU already. Drop parallelism.cpu_offload."
+            )
+        dtype = compute_dtype(precision, device)
+        reduce_dtype = torch.float32 if cfg.reduce_in_fp32 or dtype is None else dtype
+        options = {
+            "mesh": init_device_mesh(device.type, (torch.distributed.get_world_size(),)),
+            "reshard_after_forward": cfg.reshard_after_forward,
+            "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype),
+            "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
+        }
+        self.units = 1
+        if cfg.granularity == "block":
+            for _, layer in layer_sequence(model):
+                if any(True for _ in layer.parameters()):
+                    fully_shard(layer, **options)
+                    self.units += 1
+        fully_shard(model, **options)
+        return model
+
+    def describe(self) -> dict[str, int | str]:
+        return {"fsdp_units": self.units}
+
+    @contextlib.contextmanager
+    def backward_context(self, model: nn.Module, sync: bool):
+        model.set_requires_gradient_sync(sync)
+        yield
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        return get_model_state_dict(model, options=GATHERED)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict | None) -> None:
+        set_model_state_dict(model, state or {}, options=SCATTERED)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        return get_optimizer_state_dict(model, optimizer, options=GATHERED)
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict | None
+    ) -> None:
+        set_optimizer_state_dict(model, optimizer, state or {}, options=SCATTERED)
+
+    def comm_advice(self) -> list[tuple[str, str]]:
+        advice = [("parallelism=ddp", "the model fits in one device: no all-gathers at all")]
+        if self.cfg.reshard_after_forward:
+            advice.append(
+                (
+                    "parallelism.reshard_after_forward=false",
+                    "keeps gathered parameters to the backward: one all-gather less per step",
+                )
+            )
+        return advice

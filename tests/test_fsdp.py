@@ -1,0 +1,132 @@
+"""FSDP2 (`parallelism=fsdp`) on the real engine: torchrun workers over Gloo on this CPU.
+
+Two workers holding half of every parameter each must train exactly as one process with their
+global batch (to fp32 rounding: the gradient average is a reduce-scatter, summed in another
+order than one process's batch mean, ~1e-7 relative per step), with and without gradient
+accumulation; the best checkpoint is the whole model, loadable in one process; each worker holds
+about half the model's state that a DDP worker holds; bad combinations stop before training.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import EXACT, assert_same_params, compose_config, final_params, new_store, only_run
+
+from accelexp.config import ConfigError, validate
+from accelexp.errors import AccelexpError
+from accelexp.launch import launch
+from accelexp.parallel.world import World, WorldShape
+
+FSDP = ("parallelism=fsdp", "parallelism.nprocs=2")
+
+
+@pytest.fixture(scope="module")
+def single_reference(tmp_path_factory, mlflow_template_db):
+    """One process, global batch 64, 4 steps: what 2 FSDP workers with batch 32 must reproduce."""
+    root = tmp_path_factory.mktemp("single")
+    cfg = compose_config(
+        new_store(root, mlflow_template_db), *EXACT, "data.batch_size=64", "max_steps_per_epoch=4"
+    )
+    metrics = launch(cfg, root / "out")
+    return final_params(root / "out"), metrics
+
+
+@pytest.mark.parametrize("granularity", ["block", "model"])
+def test_two_fsdp_workers_equal_one_process_with_the_same_global_batch(
+    granularity, single_reference, tmp_path, tracking_uri
+):
+    cfg = compose_config(
+        tracking_uri,
+        *EXACT,
+        *FSDP,
+        f"parallelism.granularity={granularity}",
+        "data.batch_size=32",
+        "max_steps_per_epoch=4",
+    )
+    metrics = launch(cfg, tmp_path / "out")
+    params, single_metrics = single_reference
+    # best.pt holds the whole model as plain tensors (gathered on rank 0): it loads anywhere
+    saved = final_params(tmp_path / "out")
+    assert all(type(t) is torch.Tensor for t in saved.values())
+    assert_same_params(saved, params)
+    assert math.isclose(metrics["test_acc"], single_metrics["test_acc"], abs_tol=1e-3)
+    run = only_run(tracking_uri)
+    assert run.data.params["world_size"] == "2"
+    units = {"block": 5, "model": 1}[granularity]  # simple_cnn: 2 convs, 2 linears, the root
+    assert run.data.params["fsdp_units"] == str(units)
+    assert run.info.run_name == "simple_cnn-fsdp-np2-fp32"
+
+
+def test_fsdp_gradient_accumulation_equals_the_larger_batch(
+    single_reference, tmp_path, tracking_uri
+):
+    # 2 workers x 2 micro-batches of 16 (no reduce-scatter on the first) = one step on 64
+    cfg = compose_config(
+        tracking_uri,
+        *EXACT,
+        *FSDP,
+        "parallelism.accumulate_steps=2",
+        "data.batch_size=16",
+        "max_steps_per_epoch=8",
+    )
+    launch(cfg, tmp_path / "out")
+    assert_same_params(final_params(tmp_path / "out"), single_reference[0])
+
+
+def test_an_fsdp_worker_holds_half_the_state_a_ddp_worker_holds(tmp_path, mlflow_template_db):
+    """`state_mem_mb`: parameters, gradients and SGD momentum as each worker stores them."""
+    held = {}
+    for name in ("ddp", "fsdp"):
+        uri = new_store(tmp_path / name, mlflow_template_db)
+        cfg = compose_config(
+            uri,
+            f"parallelism={name}",
+            "parallelism.nprocs=2",
+            "model=mlp",
+            "model.widths=[512,512]",
+            "max_steps_per_epoch=2",
+        )
+        launch(cfg, tmp_path / name / "out")
+        held[name] = only_run(uri).data.metrics["state_mem_mb"]
+    # mlp on 3x16x16 images: ~0.66 M parameters x (weight + gradient + momentum) x 4 bytes
+    assert 7.0 < held["ddp"] < 8.0
+    # each FSDP worker: half of every parameter (dim-0 shards, padded to equal sizes)
+    assert held["fsdp"] == pytest.approx(held["ddp"] / 2, rel=0.01)
+
+
+def test_hybrid_cannot_shard_its_pipelines(compose_cfg):
+    cfg = compose_cfg("parallelism=hybrid", "parallelism.engine=fsdp")
+    with pytest.raises(ConfigError, match=r"sharding pipeline stages .* is not supported"):
+        validate(cfg)
+
+
+def test_fsdp_with_compile_stops_before_training(compose_cfg):
+    with pytest.raises(ConfigError, match=r"speed\.compile=default with parallelism=fsdp"):
+        validate(compose_cfg(*FSDP, "speed.compile=default"))
+
+
+def test_fsdp_cpu_offload_on_a_cpu_is_one_message(tmp_path, tracking_uri):
+    cfg = compose_config(tracking_uri, "parallelism=fsdp", "parallelism.cpu_offload=true")
+    with pytest.raises(ConfigError, match=r"cpu_offload=true moves FSDP.s shards .* no GPU"):
+        launch(cfg, tmp_path / "out")
+
+
+def test_fsdp_keys_belong_to_fsdp(compose_cfg):
+    with pytest.raises(Exception, match=r"parallelism\.granularity"):
+        compose_cfg("parallelism=ddp", "parallelism.granularity=block")
+
+
+def test_more_fsdp_workers_than_gpus_stop_before_training(monkeypatch, tmp_path, tracking_uri):
+    """The machine's GPU count is what decides; here one GPU is what CUDA reports."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cfg = compose_config(tracking_uri, *FSDP, "device=auto")
+    with pytest.raises(AccelexpError, match="this machine has 1 GPU"):
+        launch(cfg, tmp_path / "out")
+    # a world a launcher made with more workers per machine than GPUs (torchrun, srun)
+    devices = [torch.device("cuda", 0)]
+    with pytest.raises(ConfigError, match="worker 1 of this machine has no GPU of its own"):
+        WorldShape.build(World(1, 2, 1, "torchrun"), devices, shards=True)
+    assert WorldShape.build(World(1, 2, 1, "torchrun"), devices, shards=False).replicas == 2
