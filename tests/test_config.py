@@ -144,7 +144,8 @@ def test_a_key_of_another_data_option_is_refused(compose_cfg):
 
 
 def test_a_key_of_other_strategies_names_them(compose_cfg):
-    with pytest.raises(ConfigError, match=r"parallelism=ddp, parallelism=fsdp and parallelism=hybrid"):
+    owners = r"parallelism=ddp, parallelism=fsdp and parallelism=hybrid"
+    with pytest.raises(ConfigError, match=owners):
         validate(compose_cfg("+parallelism.backend=gloo"))
 
 

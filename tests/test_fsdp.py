@@ -13,11 +13,13 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
 from conftest import EXACT, assert_same_params, compose_config, final_params, new_store, only_run
 
 from accelexp.config import ConfigError, validate
 from accelexp.errors import AccelexpError
 from accelexp.launch import launch
+from accelexp.parallel import build_strategy
 from accelexp.parallel.world import World, WorldShape
 
 FSDP = ("parallelism=fsdp", "parallelism.nprocs=2")
@@ -77,8 +79,9 @@ def test_fsdp_gradient_accumulation_equals_the_larger_batch(
 
 
 def test_an_fsdp_worker_holds_half_the_state_a_ddp_worker_holds(tmp_path, mlflow_template_db):
-    """`state_mem_mb`: parameters, gradients and SGD momentum as each worker stores them."""
-    held = {}
+    """`state_mem_mb`: parameters, gradients and SGD momentum as each worker stores them; and
+    `step_peak_mb`, the peak of live tensors over a step measured after training (a CPU's)."""
+    held, peak = {}, {}
     for name in ("ddp", "fsdp"):
         uri = new_store(tmp_path / name, mlflow_template_db)
         cfg = compose_config(
@@ -88,13 +91,17 @@ def test_an_fsdp_worker_holds_half_the_state_a_ddp_worker_holds(tmp_path, mlflow
             "model=mlp",
             "model.widths=[512,512]",
             "max_steps_per_epoch=2",
+            "max_batch.search=true",
         )
         launch(cfg, tmp_path / name / "out")
-        held[name] = only_run(uri).data.metrics["state_mem_mb"]
+        metrics = only_run(uri).data.metrics
+        held[name], peak[name] = metrics["state_mem_mb"], metrics["step_peak_mb"]
     # mlp on 3x16x16 images: ~0.66 M parameters x (weight + gradient + momentum) x 4 bytes
     assert 7.0 < held["ddp"] < 8.0
     # each FSDP worker: half of every parameter (dim-0 shards, padded to equal sizes)
     assert held["fsdp"] == pytest.approx(held["ddp"] / 2, rel=0.01)
+    # a step's peak: FSDP adds the gathered weights of a unit or two, far below half the model
+    assert peak["fsdp"] < 0.8 * peak["ddp"]
 
 
 def test_hybrid_cannot_shard_its_pipelines(compose_cfg):
@@ -130,3 +137,23 @@ def test_more_fsdp_workers_than_gpus_stop_before_training(monkeypatch, tmp_path,
     with pytest.raises(ConfigError, match="worker 1 of this machine has no GPU of its own"):
         WorldShape.build(World(1, 2, 1, "torchrun"), devices, shards=True)
     assert WorldShape.build(World(1, 2, 1, "torchrun"), devices, shards=False).replicas == 2
+
+
+def test_fsdp_computes_in_the_precisions_dtype_over_fp32_master_weights(compose_cfg):
+    """precision=bf16: FSDP casts each unit's gathered weights to bf16 for forward and backward;
+    the shards it keeps (what the optimizer steps) and the reduced gradients stay fp32."""
+    strategy = build_strategy(compose_cfg(*FSDP, "parallelism.nprocs=1", "precision=bf16"))
+    strategy.setup()  # a world of one, in this process
+    try:
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        model = strategy.wrap_model(model, precision="bf16")
+        out = model(torch.randn(4, 8))
+        assert out.dtype == torch.bfloat16
+        out.float().sum().backward()
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
+        assert strategy.describe()["fsdp_units"] == 3  # two linears, then the root
+        full = strategy.model_state_dict(model)  # plain tensors: loads into the unsharded model
+        nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).load_state_dict(full)
+    finally:
+        strategy.teardown()

@@ -86,6 +86,12 @@ def test_a_cpu_run_says_why_it_has_no_max_batch(study_sweep) -> None:
         assert run.data.tags["max_batch"] == CPU_TAG
         assert "max_batch" not in run.data.metrics
         assert run.data.metrics["peak_mem_mb"] > 0
+        # what a CPU gives instead: the step's peak of live tensors, by kind
+        metrics = run.data.metrics
+        kinds = [v for k, v in metrics.items() if k.startswith("step_peak_")]
+        kinds.remove(metrics["step_peak_mb"])
+        assert metrics["step_peak_param_mb"] > 0 and metrics["step_peak_act_mb"] > 0
+        assert sum(kinds) == pytest.approx(metrics["step_peak_mb"], rel=1e-3)
 
 
 def test_the_memory_report_reads_the_sweep_back(study_sweep) -> None:
@@ -109,12 +115,14 @@ def test_the_memory_report_reads_the_sweep_back(study_sweep) -> None:
         assert row.samples_per_s > 0 and row.peak_mem_mb > 0
         assert row.samples_per_s_per_device == pytest.approx(row.samples_per_s / row.num_devices)
         assert row.max_batch is None and CPU_TAG in row.note
+        assert row.step_peak_mb > 0
     model_parallel = next(row for row in rows if row.parallelism == "model")
     assert model_parallel.num_devices == 1  # its two stages share the one CPU
 
     figure = memory_vs_speed_figure(rows)
     (axes,) = figure.axes
     assert axes.get_xlim()[0] == 0 and axes.get_ylim()[0] == 0
+    assert axes.get_xlabel() == "peak tensor memory of a step per device (MiB)"
     assert axes.get_title() == "simple_cnn"
     assert "synthetic" in figure._suptitle.get_text() and "cpu" in figure._suptitle.get_text()
     legend = figure.legends[0]

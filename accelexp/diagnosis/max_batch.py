@@ -11,7 +11,13 @@ collective for a rank that stopped. The allocator's cache is emptied between tri
 
 It records the metric `max_batch` (the largest batch that fit, per worker) and the tag
 `max_batch` saying how it was found. On a CPU there is no search — no out-of-memory signal, the
-operating system swaps instead — and the tag says so, with no metric.
+operating system swaps instead — and the tag says so, with no metric. What a CPU gives instead is
+the step's memory, measured: one training step at the run's batch under PyTorch's `MemTracker`
+(`torch.distributed._tools.mem_tracker`, which follows every tensor's storage through the
+dispatcher), whose peak of live tensors is logged as `step_peak_mb`, split into
+`step_peak_<kind>_mb` (parameters, gradients, optimizer state, activations, temporaries such as
+FSDP's all-gathered weights). The process's peak RSS (`peak_mem_mb` on a CPU) cannot compare
+strategies: about a GiB of it is the libraries, and more libraries load under FSDP.
 
 The trials change the weights, optimizer state and loss scale of the trained model: the search
 runs after the last checkpoint and the test, so nothing of it is saved or reported as training.
@@ -139,7 +145,27 @@ class _Trial:
                 loss = F.cross_entropy(logits, labels.to(logits.device))
             precision.backward(loss)
         strategy.optimizer_step(self.optimizer, precision)
-        torch.cuda.synchronize(device)  # an asynchronous failure surfaces inside the trial
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # an asynchronous failure surfaces inside the trial
+
+
+def step_memory(trial: _Trial, batch: int) -> dict[str, float]:
+    """The peak of live tensors over one training step at `batch`, in MiB: `step_peak_mb`, and
+    by kind `step_peak_<kind>_mb` (every rank steps; the figures are this rank's)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(trial.model, trial.optimizer)
+    trial.model.train()
+    with tracker:
+        trial.step(batch)
+    trial.optimizer.zero_grad()
+    peaks = tracker.get_tracker_snapshot("peak")[trial.strategy.device]
+    metrics = {"step_peak_mb": peaks["Total"] / 2**20}
+    for kind, size in peaks.items():
+        if kind != "Total":
+            metrics[f"step_peak_{kind.name.lower()}_mb"] = size / 2**20
+    return metrics
 
 
 def after_training(
@@ -166,6 +192,11 @@ def after_training(
     tracker.set_tags({TAG: result.how})
     if result.batch_size is not None:
         tracker.log_metrics({METRIC: result.batch_size}, step=cfg.epochs)
+    if strategy.device.type == "cpu":
+        trial = _Trial(
+            model, optimizer, precision, strategy, sample_shape, num_classes, memory_format
+        )
+        tracker.log_metrics(step_memory(trial, cfg.data.batch_size), step=cfg.epochs)
     if strategy.is_main:
         log.info("max_batch: %s", result.how)
     return result

@@ -13,10 +13,11 @@ import torch.nn as nn
 import torchvision
 from omegaconf import DictConfig
 
-from accelexp.config import ConfigError
+from accelexp.errors import ConfigError
 from accelexp.models.mlp import MLP
 from accelexp.models.resnet import build_resnet, resnet_layers
 from accelexp.models.simple_cnn import SimpleCNN
+from accelexp.models.vit import build_vit, build_vit_b_16, vit_b16_layers
 
 Builder = Callable[[DictConfig, int, int, int], nn.Module]
 
@@ -27,6 +28,9 @@ MODELS: dict[str, Builder] = {
     "mlp": lambda cfg, c, k, s: MLP(c, k, s, list(cfg.widths), cfg.dropout),
     "resnet18": lambda cfg, c, k, s: build_resnet("resnet18", cfg, c, k, s),
     "resnet50": lambda cfg, c, k, s: build_resnet("resnet50", cfg, c, k, s),
+    "vit_tiny": build_vit,
+    "vit_small": build_vit,
+    "vit_b_16": build_vit_b_16,
 }
 
 
@@ -40,10 +44,13 @@ def layer_sequence(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, layer) pairs such that applying the layers in order is `model(x)`.
 
     An `nn.Sequential` is its children, nested Sequentials (e.g. a stage of blocks) opened up;
-    a torchvision ResNet is its stem, its residual blocks one by one, and its head.
+    a torchvision ResNet is its stem, its residual blocks one by one, and its head; a ViT (ours,
+    an nn.Sequential, or torchvision's) is its patch embedding, each encoder block, and its head.
     """
     if isinstance(model, torchvision.models.ResNet):
         return resnet_layers(model)
+    if isinstance(model, torchvision.models.VisionTransformer):
+        return vit_b16_layers(model)
     if isinstance(model, nn.Sequential):
         layers = []
         for name, child in model.named_children():
@@ -54,6 +61,6 @@ def layer_sequence(model: nn.Module) -> list[tuple[str, nn.Module]]:
         return layers
     raise ConfigError(
         f"a {type(model).__name__} cannot be split into stages: model parallelism splits an "
-        f"nn.Sequential (e.g. model=simple_cnn, model=mlp) or a ResNet (model=resnet18, "
-        f"model=resnet50)."
+        f"nn.Sequential (e.g. model=simple_cnn, model=mlp, model=vit_tiny), a ResNet "
+        f"(model=resnet18, model=resnet50) or torchvision's ViT (model=vit_b_16)."
     )

@@ -8,7 +8,7 @@ all-gathered just before its forward (and again before its backward when
 
 - `granularity: block`: every layer of the model's layer sequence that holds parameters
   (`accelexp.models.layer_sequence`: a ResNet's residual blocks, a ViT's encoder blocks) is its
-  own FSDP unit, then the root; only one or two units are unsharded at a time. `model`: one
+  own FSDP unit, then the root (with what is left: vit_b_16's embedding and head); only one or two units are unsharded at a time. `model`: one
   unit, the whole model (ZeRO-3's memory only between steps).
 - `reshard_after_forward`: free the gathered parameters after each unit's forward (less memory,
   one more all-gather in the backward pass); false keeps them until the backward (ZeRO-2-like).
@@ -84,8 +84,11 @@ class FSDPSync(TorchDistributed):
         }
         self.units = 1
         if cfg.granularity == "block":
+            # the model's own submodules: a view made for cutting (vit_b_16's embedding) runs
+            # outside the model's forward, so its weights stay with the root unit
+            own = {id(module) for module in model.modules()}
             for _, layer in layer_sequence(model):
-                if any(True for _ in layer.parameters()):
+                if id(layer) in own and any(True for _ in layer.parameters()):
                     fully_shard(layer, **options)
                     self.units += 1
         fully_shard(model, **options)

@@ -7,11 +7,14 @@ and per device (`compare.measure`, the figure of the main table), and per device
 (`peak_mem_mb`, the highest of its epochs: CUDA's allocator peak on a GPU — the fullest of a
 worker's devices —, the process's peak RSS on a CPU), the memory its training state holds
 (`state_mem_mb`: the parameters, gradients and optimizer state a worker holds, divided evenly
-among the worker's devices when it drives several: model, hybrid) and the largest per-worker
-batch that fit (`max_batch`, searched on a GPU with `max_batch.search=true`). A figure left
-blank has its reason in `note`.
+among the worker's devices when it drives several: model, hybrid), the peak of live tensors over
+one training step (`step_peak_mb`, measured on a CPU after training with `max_batch.search=true`:
+what the process's RSS cannot show, since about a GiB of it is the libraries) and the largest
+per-worker batch that fit (`max_batch`, searched on a GPU with `max_batch.search=true`). A figure
+left blank has its reason in `note`.
 
-`memory_vs_speed_figure` plots samples/s against peak memory per device, one panel per model,
+`memory_vs_speed_figure` plots samples/s against memory per device (the step's tensor peak where
+it was measured, else the peak memory), one panel per model,
 one colour and marker per parallelism, both axes from 0. Pure: records in, rows out, rows in,
 figure out; `write_memory_report` writes memory.csv, memory.md and memory_vs_speed.png.
 """
@@ -54,6 +57,7 @@ class MemoryRow:
     samples_per_s_per_device: float | None = None
     peak_mem_mb: float | None = None
     state_mem_mb: float | None = None
+    step_peak_mb: float | None = None
     max_batch: int | None = None
     note: str = ""
 
@@ -69,6 +73,7 @@ MEMORY_DISPLAY = {
     "samples_per_s_per_device": "{:.1f}",
     "peak_mem_mb": "{:.0f}",
     "state_mem_mb": "{:.1f}",
+    "step_peak_mb": "{:.1f}",
     "max_batch": "{:d}",
 }
 
@@ -102,6 +107,7 @@ MEMORY = GroupedNotes(
         "samples_per_s_per_device": "samples/s per device",
         "peak_mem_mb": "peak mem per device (MiB)",
         "state_mem_mb": "state mem per device (MiB)",
+        "step_peak_mb": "step peak per device (MiB)",
         "max_batch": "max batch per worker",
     },
     display=MEMORY_DISPLAY,
@@ -109,7 +115,8 @@ MEMORY = GroupedNotes(
     missing="—",
     fold=frozenset({"model", "parallelism"}),
     widths=dict.fromkeys(
-        ["samples_per_s_per_device", "peak_mem_mb", "state_mem_mb", "max_batch"], 10
+        ["samples_per_s_per_device", "peak_mem_mb", "state_mem_mb", "step_peak_mb", "max_batch"],
+        10,
     ),
     compact=True,
     note="note",
@@ -156,6 +163,9 @@ def memory_row(record: RunRecord) -> MemoryRow:
         notes.append("no state_mem_mb logged (a run from before it existed)")
     else:  # a worker over several devices (model, hybrid): split evenly among them
         row.state_mem_mb = state / max(1, (row.num_devices or 1) // (row.world_size or 1))
+    step = record.metrics.get("step_peak_mb")  # on a CPU, measured after training
+    if step is not None:
+        row.step_peak_mb = step / max(1, (row.num_devices or 1) // (row.world_size or 1))
     searched = record.metrics.get("max_batch")
     if searched is not None:
         row.max_batch = int(searched)
@@ -183,12 +193,18 @@ def _series_label(rows: Sequence[MemoryRow]) -> Callable[[MemoryRow], str]:
     return lambda row: row.parallelism
 
 
+def _memory(row: MemoryRow) -> float | None:
+    """What the plot places a run at: the step's tensor peak where measured (a CPU), else the
+    peak memory (a GPU's allocator peak)."""
+    return row.step_peak_mb if row.step_peak_mb is not None else row.peak_mem_mb
+
+
 def memory_vs_speed_figure(rows: Sequence[MemoryRow]) -> Any | None:
     """samples/s against peak memory per device, a panel per model (each its own scales), a
     colour and marker per parallelism (and precision, when the runs differ in it; the same in
     every panel), each point labelled with its
     workers; both axes from 0. None when no row has both figures."""
-    plotted = [r for r in rows if r.samples_per_s is not None and r.peak_mem_mb is not None]
+    plotted = [r for r in rows if r.samples_per_s is not None and _memory(r) is not None]
     if not plotted:
         return None
     models = list(dict.fromkeys(row.model for row in plotted))
@@ -208,18 +224,23 @@ def memory_vs_speed_figure(rows: Sequence[MemoryRow]) -> Any | None:
         for row in mine:
             colour, marker = styles[label(row)]
             (point,) = axes.plot(
-                row.peak_mem_mb, row.samples_per_s, linestyle="none", color=colour,
+                _memory(row), row.samples_per_s, linestyle="none", color=colour,
                 marker=marker, markersize=9, label=label(row),
             )  # fmt: skip
             handles.setdefault(label(row), point)
             axes.annotate(
-                f"×{row.num_devices or '?'}", (row.peak_mem_mb, row.samples_per_s),
+                f"×{row.num_devices or '?'}", (_memory(row), row.samples_per_s),
                 textcoords="offset points", xytext=(6, 4), fontsize="small",
             )  # fmt: skip
-        axes.set_xlim(0, max(row.peak_mem_mb for row in mine) * 1.2)
+        axes.set_xlim(0, max(_memory(row) for row in mine) * 1.2)
         axes.set_ylim(0, max(row.samples_per_s for row in mine) * 1.15)
         axes.set_title(model)
-        axes.set_xlabel("peak memory per device (MiB)")
+        step = all(row.step_peak_mb is not None for row in mine)
+        axes.set_xlabel(
+            "peak tensor memory of a step per device (MiB)"
+            if step
+            else "peak memory per device (MiB)"
+        )
         axes.set_ylabel("samples/s (steady-state median, all devices)")
         axes.grid(alpha=0.3)
         axes.set_axisbelow(True)
