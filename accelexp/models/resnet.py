@@ -19,7 +19,9 @@ from omegaconf import DictConfig
 from accelexp.errors import AccelexpError
 
 
-def _cached_weights(arch: str):
+def cached_weights(arch: str):
+    """torchvision's default weights of `arch`, when already in torch's hub cache (no download
+    at run time); an `AccelexpError` saying where to put the file otherwise."""
     weights = torchvision.models.get_model_weights(arch).DEFAULT
     cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
     if not cached.is_file():
@@ -35,7 +37,7 @@ def _cached_weights(arch: str):
 def build_resnet(
     arch: str, cfg: DictConfig, in_channels: int, num_classes: int, image_size: int
 ) -> nn.Module:
-    weights = _cached_weights(arch) if cfg.pretrained else None
+    weights = cached_weights(arch) if cfg.pretrained else None
     model = torchvision.models.get_model(arch, weights=weights)
     small = image_size <= cfg.small_input_max_size
     if small:

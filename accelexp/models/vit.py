@@ -24,7 +24,7 @@ import torchvision
 from omegaconf import DictConfig
 
 from accelexp.errors import ConfigError
-from accelexp.models.resnet import _cached_weights
+from accelexp.models.resnet import cached_weights
 
 # `auto` patch: the largest patch that divides the image and leaves at least this many patches.
 # 16 patches (4x4: patch 7 for 28 px, 8 for 32 px) keep the sequence short, so attention and the
@@ -233,7 +233,7 @@ def build_vit_b_16(
                 f"this data has {in_channels}x{image_size}x{image_size} images: use "
                 f"model.pretrained=false or 224 px RGB data."
             )
-        weights = _cached_weights("vit_b_16")
+        weights = cached_weights("vit_b_16")
     model = torchvision.models.vit_b_16(weights=weights, image_size=image_size)
     if in_channels != 3:
         hidden = model.hidden_dim

@@ -8,8 +8,9 @@ all-gathered just before its forward (and again before its backward when
 
 - `granularity: block`: every layer of the model's layer sequence that holds parameters
   (`accelexp.models.layer_sequence`: a ResNet's residual blocks, a ViT's encoder blocks) is its
-  own FSDP unit, then the root (with what is left: vit_b_16's embedding and head); only one or two units are unsharded at a time. `model`: one
-  unit, the whole model (ZeRO-3's memory only between steps).
+  own FSDP unit, then the root (with what is left, e.g. vit_b_16's embedding and head); only
+  one or two units are unsharded at a time. `model`: one unit, the whole model (ZeRO-3's memory
+  only between steps).
 - `reshard_after_forward`: free the gathered parameters after each unit's forward (less memory,
   one more all-gather in the backward pass); false keeps them until the backward (ZeRO-2-like).
 - Mixed precision follows `precision`: bf16 (or fp16 for amp on CUDA) parameters in forward and
