@@ -28,7 +28,7 @@ from typing import Any
 
 from accelexp.report.compare import PARALLELISM_ORDER, measure, peak_memory, setting, world_size
 from accelexp.report.formats import Layout, to_csv, to_markdown
-from accelexp.report.plots import DPI, _legend_outside, series_styles, title_subject
+from accelexp.report.plots import _legend_outside, _save, series_styles, title_subject
 from accelexp.tracking.query import RunRecord
 
 MEMORY_PLOT = "memory_vs_speed.png"
@@ -256,11 +256,7 @@ def memory_vs_speed_figure(rows: Sequence[MemoryRow]) -> Any | None:
 
 def plot_memory_vs_speed(rows: Sequence[MemoryRow], path: Path) -> Path | None:
     """`memory_vs_speed_figure` saved to `path`; None (and no file) with nothing to plot."""
-    figure = memory_vs_speed_figure(rows)
-    if figure is None:
-        return None
-    figure.savefig(path, dpi=DPI)
-    return path
+    return _save(memory_vs_speed_figure(rows), path)
 
 
 def write_memory_report(rows: Sequence[MemoryRow], out_dir: Path, plots: bool = True) -> list[Path]:
