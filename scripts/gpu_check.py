@@ -30,7 +30,14 @@ why) or FAIL:
 9. a GradScaler overflow through the real `Precision`, `SingleDevice` and `Trainer`: an inf
    injected into one gradient skips that step (parameters unchanged) and halves the scale, and
    the next step updates the parameters. With --cpu, where `precision=amp` is bf16 without a
-   scaler, the check sets a `torch.amp.GradScaler("cpu")` on the `Precision` itself.
+   scaler, the check sets a `torch.amp.GradScaler("cpu")` on the `Precision` itself;
+10. `parallelism=fsdp precision=amp` (FSDP2, one worker per GPU up to 2, NCCL): fp16 autocast
+    and the GradScaler over sharded (DTensor) gradients; the training state's memory per worker
+    (`state_mem_mb`) is logged; then the memory study's largest-batch search
+    (`max_batch.search=true`) doubles the batch until it runs out of memory and logs `max_batch`.
+    With --cpu (Gloo): no search, the step's measured memory (`step_peak_mb`) instead;
+11. `parallelism=fsdp parallelism.cpu_offload=true precision=bf16 model=vit_tiny`: the shards
+    in host memory, a ViT's attention in bf16 (CUDA only; SKIP with --cpu).
 
 Exit code 0 when nothing failed. Runs go to a temporary MLflow store; nothing is downloaded.
 """
@@ -366,6 +373,40 @@ def main() -> int:
             f"{metrics['samples_per_s']:.0f} samples/s after it, grad_scale {scale}"
         )
 
+    def fsdp_amp() -> str:
+        # one worker per GPU (NCCL; Gloo with --cpu), fp16 + GradScaler over sharded (DTensor)
+        # gradients, then the largest-batch search of the memory study
+        workers = min(2, gpus) if gpus else 1
+        job = run_job(store, "fsdp-amp", *device_flag, "parallelism=fsdp",
+                      f"parallelism.nprocs={workers}", "precision=amp", "model=resnet18",
+                      "max_batch.search=true", "max_batch.limit=8192")  # fmt: skip
+        params, metrics, tags = job["params"], job["metrics"], job["tags"]
+        assert int(params["world_size"]) == workers, params["world_size"]
+        state = metrics.get("state_mem_mb")
+        assert state and state > 0, f"no state_mem_mb logged: {state}"
+        scale, found = metrics.get("grad_scale"), metrics.get("max_batch")
+        if args.cpu:  # no search on a CPU: the step's memory measured instead
+            assert "not searched" in tags.get("max_batch", ""), tags.get("max_batch")
+            assert metrics.get("step_peak_mb", 0) > 0, "no step_peak_mb logged"
+        else:
+            assert scale and scale > 0, f"no GradScaler scale logged: {scale}"
+            assert found and found >= 64, f"max_batch {found}: {tags.get('max_batch')}"
+        return (f"{workers} worker(s), grad_scale {scale}, state {state:.1f} MiB per worker, "
+                f"test_acc {metrics['test_acc']:.3f}; max_batch {found} "
+                f"({tags.get('max_batch')})")  # fmt: skip
+
+    def fsdp_offload_vit() -> str:
+        if args.cpu:
+            return "SKIP parallelism.cpu_offload=true needs CUDA (shards in host memory)"
+        job = run_job(store, "fsdp-offload-vit", "parallelism=fsdp", "parallelism.nprocs=1",
+                      "parallelism.cpu_offload=true", "precision=bf16",
+                      "model=vit_tiny")  # fmt: skip
+        metrics = job["metrics"]
+        return (f"{metrics['samples_per_s']:.0f} samples/s, peak "
+                f"{metrics.get('peak_mem_mb', float('nan')):.0f} MiB, state "
+                f"{metrics.get('state_mem_mb', float('nan')):.1f} MiB on the GPU, test_acc "
+                f"{metrics['test_acc']:.3f}")  # fmt: skip
+
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
     check("1 split == unsplit", lambda: check_same_numbers([torch.device(d) for d in devices]))
     check("2 model, amp (fp16 + GradScaler)", model_amp)
@@ -376,6 +417,8 @@ def main() -> int:
     check("7 speed switches (cl, tf32, compile, fused, amp)", switches_run)
     check("8 data on device == copied per batch", lambda: check_loader_paths(device))
     check("9 GradScaler overflow", lambda: check_grad_scaler_overflow(device))
+    check("10 fsdp, amp, largest-batch search", fsdp_amp)
+    check("11 fsdp, cpu_offload, bf16, vit_tiny", fsdp_offload_vit)
     for path in (store / "results.json", args.json):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)

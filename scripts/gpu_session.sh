@@ -33,8 +33,15 @@
 # `accelexp-report --diagnose` of the three (diagnosis.md). HTA needs three more wheels in .whl:
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux2014_x86_64 -d .whl HolisticTraceAnalysis==0.5.0 plotly narwhals
+# PLAN=memory (issue 13's checks, a session of their own; no extra wheels) runs gpu_check's FSDP
+# checks 10 and 11 (fp16 GradScaler over sharded gradients and the largest-batch search; CPU
+# offload with a ViT in bf16), then the memory-vs-speed study on this one GPU at 224 px, amp:
+# vit_b_16 and resnet50 under fsdp (one worker: no sharding, but FSDP's mixed precision and the
+# search) and model (2 stages on the GPU), each run searching its largest batch; its report
+# (memory.md, memory_vs_speed.png). Out: session.log, gpu_check.log, gpu_check.json, memory.log,
+# memory.md, memory_vs_speed.png.
 # Environment: OUT (default outputs/gpu_session), PYTHON (default python3), SESSION_S, DRY_RUN,
-# PLAN (speed | diagnosis).
+# PLAN (speed | diagnosis | memory).
 set -uo pipefail # no -e: one failed step must not stop the others
 export PYTHONUNBUFFERED=1 GIT_PYTHON_REFRESH=quiet
 cd "$(dirname "$0")/.."
@@ -112,7 +119,25 @@ if [[ ${PLAN:-speed} == diagnosis ]]; then
     exit
 fi
 
-step gpu_check gpu_check.log 170 "$PY" scripts/gpu_check.py --json "$OUT/gpu_check.json"
+if [[ ${PLAN:-speed} == memory ]]; then
+    MEM_URI="sqlite:///$WORK/memory.db"
+    step fsdp_checks gpu_check.log 150 "$PY" scripts/gpu_check.py --only 10,11 \
+        --json "$OUT/gpu_check.json"
+    step memory_study memory.log 300 "$PY" run.py -m +experiment=memory_vs_speed \
+        model=vit_b_16,resnet50 parallelism=fsdp,model parallelism.nprocs=1 precision=amp \
+        data.image_size=224 data.batch_size=64 data.num_train=1024 data.num_test=128 \
+        max_steps_per_epoch=14 threads=null progress=false "mlflow.tracking_uri=$MEM_URI" \
+        "hydra.sweep.dir=$WORK/memory"
+    step memory_report memory.log 60 "$PY" -m accelexp.report --experiment memory_vs_speed \
+        --memory --tracking-uri "$MEM_URI" --format markdown --output-dir "$WORK/report"
+    cp "$WORK/report/memory.md" "$WORK/report/memory_vs_speed.png" "$OUT/" 2>/dev/null
+    [[ -n $DRY_RUN ]] && rm -rf "$WORK"
+    log "done in ${SECONDS}s; failed or skipped: ${FAILED[*]:-none}"
+    ((${#FAILED[@]} == 0))
+    exit
+fi
+
+step gpu_check gpu_check.log 170 "$PY" scripts/gpu_check.py --only 1,2,3,4,5,6,7,8,9 --json "$OUT/gpu_check.json"
 
 step ladder ladder.log 200 "$PY" run.py -m +experiment=speedups model=resnet50 \
     data.image_size=224 data.batch_size=256 epochs=2 max_steps_per_epoch=12 \

@@ -9,6 +9,7 @@ about half the model's state that a DDP worker holds; bad combinations stop befo
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -155,5 +156,57 @@ def test_fsdp_computes_in_the_precisions_dtype_over_fp32_master_weights(compose_
         assert strategy.describe()["fsdp_units"] == 3  # two linears, then the root
         full = strategy.model_state_dict(model)  # plain tensors: loads into the unsharded model
         nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).load_state_dict(full)
+    finally:
+        strategy.teardown()
+
+
+class ConvBlock(nn.Module):
+    """A residual block's shape: one FSDP unit under granularity=block, BatchNorms inside."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(width, width, 3), nn.BatchNorm2d(width)
+        self.shortcut_norm = nn.BatchNorm2d(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.conv(x)) + self.shortcut_norm(x[..., 1:-1, 1:-1]))
+
+
+@pytest.mark.parametrize("granularity", ["block", "model"])
+def test_fsdp_keeps_batchnorm_in_fp32_under_mixed_precision(granularity, compose_cfg):
+    """A model with BatchNorm under fsdp + bf16 trains as the plain model under the loop's
+    autocast: BatchNorm's weights stay fp32 beside its fp32 running statistics (cast to bf16
+    like the convolutions', batch_norm refuses them: "expected scalar type BFloat16 but found
+    Float"), so outputs, gradients and running statistics match the unsharded model's."""
+    overrides = (*FSDP, "parallelism.nprocs=1", "precision=bf16")
+    strategy = build_strategy(compose_cfg(*overrides, f"parallelism.granularity={granularity}"))
+    strategy.setup()
+    try:
+        torch.manual_seed(0)
+        reference = nn.Sequential(
+            nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+            ConvBlock(8),
+            nn.Flatten(), nn.Linear(8 * 4 * 4, 10), nn.BatchNorm1d(10),
+        )  # fmt: skip
+        sharded = strategy.wrap_model(copy.deepcopy(reference), precision="bf16")
+        x = torch.randn(6, 3, 8, 8)
+        outputs = []
+        for model in (reference, sharded):
+            with torch.autocast("cpu", torch.bfloat16):
+                out = model(x)
+            out.float().square().mean().backward()
+            outputs.append(out)
+        torch.testing.assert_close(outputs[1], outputs[0])
+        for (name, p), q in zip(sharded.named_parameters(), reference.parameters(), strict=True):
+            assert p.dtype == torch.float32
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=name)
+        for p, q in zip(sharded.buffers(), reference.buffers(), strict=True):
+            torch.testing.assert_close(p, q)
+        # block: each layer with parameters (5) and the root, the block's BatchNorms one fp32
+        # group before it (a layer that is a BatchNorm is an fp32 unit itself); model: one
+        # unit, all BatchNorms one fp32 group
+        units = {"block": (6, 1), "model": (1, 1)}[granularity]
+        described = strategy.describe()
+        assert (described["fsdp_units"], described["fsdp_fp32_norm_groups"]) == units
     finally:
         strategy.teardown()

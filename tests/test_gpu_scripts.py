@@ -3,8 +3,9 @@
 `benchmarks/gpu_parity.py --cpu --tiny` runs both sides for real (subprocesses, MLflow store) and
 its printed table is checked against its own numbers. `scripts/gpu_check.py --cpu` takes about 7
 minutes on a 2-core machine (checks 2-5 train resnet18 on the CPU), so the slow test runs the
-checks this file's subject added (`--only 1,6,7,8,9`), and the fast tests call the new checks'
-functions directly, including with a broken component, to see that they fail when they should.
+checks added since (`--only 1,6,7,8,9,10,11`; 10 trains resnet18 under FSDP, ~35 s), and the
+fast tests call the new checks' functions directly, including with a broken component, to see
+that they fail when they should.
 `scripts/gpu_session.sh` is checked for syntax and by its dry run.
 """
 
@@ -311,13 +312,17 @@ def test_parse_only():
 @pytest.mark.slow
 def test_gpu_check_cpu_runs_the_new_checks(tmp_path):
     report = tmp_path / "results.json"
-    result = script("scripts/gpu_check.py", "--cpu", "--only", "1,6,7,8,9", "--json", str(report))
+    checks = "1,6,7,8,9,10,11"
+    result = script("scripts/gpu_check.py", "--cpu", "--only", checks, "--json", str(report))
     assert result.returncode == 0, result.stdout + result.stderr
     results = json.loads(report.read_text())
-    assert [name.split()[0] for name in results] == ["1", "6", "7", "8", "9"]
+    assert [name.split()[0] for name in results] == checks.split(",")
+    offload = results.pop("11 fsdp, cpu_offload, bf16, vit_tiny")
+    assert offload.startswith("SKIP") and "needs CUDA" in offload
     assert all(value.startswith("PASS") for value in results.values()), results
     assert "TF32 off" in results["1 split == unsplit"]
     assert "compile_s" in results["7 speed switches (cl, tf32, compile, fused, amp)"]
+    assert "max_batch None (not searched" in results["10 fsdp, amp, largest-batch search"]
 
 
 # --- gpu_session.sh -------------------------------------------------------------------------------
@@ -335,8 +340,27 @@ def test_session_script_parses_and_its_dry_run_lists_every_step(tmp_path):
     names = [name for name, _ in started if name != "wheels"]  # wheels: only where .whl exists
     assert names == ["versions", "gpu_check", "ladder", "report", "parity"]
     assert sum(int(limit) for name, limit in started if name != "parity") < 525
-    assert "scripts/gpu_check.py --json" in result.stdout
+    assert "scripts/gpu_check.py --only 1,2,3,4,5,6,7,8,9 --json" in result.stdout
     assert "+experiment=speedups model=resnet50 data.image_size=224" in result.stdout
     assert "gpu_parity.py --plan quick --deadline-s" in result.stdout
     assert "planned: 7 configurations, 26 subprocess runs" in result.stdout
     assert (tmp_path / "session.log").is_file()
+
+
+def test_session_memory_plan_runs_the_fsdp_checks_and_the_memory_study(tmp_path, tracking_uri):
+    session = REPO / "scripts" / "gpu_session.sh"
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    result = subprocess.run(
+        ["bash", str(session)], cwd=REPO, env={**env, "PLAN": "memory"}, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = dict(re.findall(r"START (\w+) \(timeout \d+s\): (.*)", result.stdout))
+    assert list(steps) == ["versions", "fsdp_checks", "memory_study", "memory_report"]
+    assert "gpu_check.py --only 10,11" in steps["fsdp_checks"]
+    # the study's command line composes into a valid config (its first job)
+    study = steps["memory_study"].split(" run.py -m ", 1)[1].split()
+    cfg = compose_config(tracking_uri, *(arg.split(",")[0] for arg in study))
+    validate(cfg)
+    assert (cfg.model.name, cfg.parallelism.name) == ("vit_b_16", "fsdp")
+    assert cfg.max_batch.search and cfg.precision.name == "amp"

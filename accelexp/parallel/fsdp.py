@@ -17,7 +17,8 @@ all-gathered just before its forward (and again before its backward when
   backward with fp32 master weights and optimizer; gradients reduced in fp32
   (`reduce_in_fp32: false` reduces them in the compute dtype). fp16 on CUDA uses the run's
   ordinary GradScaler: under FSDP2 gradients are DTensors, and GradScaler's inf check on them
-  covers every shard.
+  covers every shard. BatchNorm layers keep fp32 weights (FSDP1's default): a unit's
+  BatchNorms are one fp32 group, sharded just before the unit.
 - `cpu_offload`: parameters, gradients and optimizer state live in host memory, on CUDA only.
 - Gradient accumulation: the micro-batches that only accumulate skip the reduce-scatter
   (`set_requires_gradient_sync(False)`).
@@ -48,6 +49,7 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from accelexp.errors import ConfigError
 from accelexp.models import layer_sequence
@@ -83,20 +85,35 @@ class FSDPSync(TorchDistributed):
             "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype),
             "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
         }
-        self.units = 1
+        # BatchNorm keeps fp32 weights, as FSDP1's MixedPrecision does by default: its running
+        # statistics are fp32 buffers, and batch_norm takes low-precision inputs with fp32
+        # weights and statistics, not bf16/fp16 weights with fp32 statistics
+        norm_options = {**options, "mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32)}
+        self.units, self.norm_groups, grouped = 0, 0, set()
+
+        def shard(unit: nn.Module) -> None:
+            """`unit` becomes an FSDP unit; under mixed precision, its BatchNorms not yet in
+            one are sharded first, as one group that keeps fp32 weights (one all-gather)."""
+            norms = [m for m in unit.modules() if isinstance(m, _BatchNorm) and m not in grouped]
+            grouped.update(norms)
+            if dtype is not None and norms and norms != [unit]:
+                fully_shard(norms, **norm_options)
+                self.norm_groups += 1
+            fully_shard(unit, **(norm_options if isinstance(unit, _BatchNorm) else options))
+            self.units += 1
+
         if cfg.granularity == "block":
             # the model's own submodules: a view made for cutting (vit_b_16's embedding) runs
             # outside the model's forward, so its weights stay with the root unit
             own = {id(module) for module in model.modules()}
             for _, layer in layer_sequence(model):
                 if id(layer) in own and any(True for _ in layer.parameters()):
-                    fully_shard(layer, **options)
-                    self.units += 1
-        fully_shard(model, **options)
+                    shard(layer)
+        shard(model)
         return model
 
     def describe(self) -> dict[str, int | str]:
-        return {"fsdp_units": self.units}
+        return {"fsdp_units": self.units, "fsdp_fp32_norm_groups": self.norm_groups}
 
     @contextlib.contextmanager
     def backward_context(self, model: nn.Module, sync: bool):
