@@ -38,7 +38,7 @@ from accelexp.optim import build_optimizer, build_scheduler
 from accelexp.parallel import build_strategy, run_label
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
-from accelexp.speed import SpeedSwitches
+from accelexp.speed import SpeedSwitches, has_conv2d
 from accelexp.tracking import Tracker, flatten
 from accelexp.tracking.runs import RUN_ID_FILE, run_name, run_tags, significant
 
@@ -203,7 +203,10 @@ def _run(
     )
     profiler = StepProfiler(cfg, output_dir, strategy.rank, strategy.device)
     trainer.profiler = profiler if profiler.enabled else None
-    diagnosis = RunDiagnosis(strategy, precision, cfg.data.batch_size, flops_per_sample)
+    in_effect = {f"speed.{key}": value for key, value in switches.tags().items() if key != "speed"}
+    diagnosis = RunDiagnosis(
+        strategy, precision, cfg, flops_per_sample, in_effect, has_conv2d(model)
+    )
     name = run_name(cfg, switches.summary(), overrides, run_label(cfg.parallelism))
     progress = checkpoint.Progress()
     if state is not None:

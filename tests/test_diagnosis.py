@@ -168,6 +168,45 @@ def test_the_rules_in_order():
     assert diagnose(full).bound == "memory"
 
 
+def overrides_of(verdict) -> list[str]:
+    return [override for override, _ in verdict.advice]
+
+
+def test_the_advice_is_the_runs_own(compose_cfg):
+    """Nothing the run does already, nothing its config would refuse; more devices = twice its
+    workers; channels_last only for convolutions and only where it is off."""
+    compute = facts("cuda", forward=1, backward=2)
+    single = overrides_of(diagnose(compute))  # no config: every piece of advice
+    assert single[:2] == ["precision=bf16", "precision=amp"]
+    assert "speed.channels_last=true" in single
+    assert single[-1] == "parallelism=ddp parallelism.nprocs=2"
+
+    compute.config = compose_cfg("parallelism=ddp", "parallelism.nprocs=2", "precision=bf16")
+    compute.in_effect = {"speed.channels_last": "true"}  # what `auto` chose
+    advice = overrides_of(diagnose(compute))
+    assert advice == ["precision=amp", "speed.tf32=true", "parallelism.nprocs=4"]
+    compute.in_effect, compute.convolutional = {}, False  # a ViT: no NHWC layout to offer
+    assert "speed.channels_last=true" not in overrides_of(diagnose(compute))
+
+    # fsdp refuses speed.compile: the overhead verdict offers the bigger batch alone
+    busy = facts("cuda", forward=1, backward=2)
+    busy.breakdown.gpu_busy = 0.3
+    busy.config = compose_cfg("parallelism=fsdp")
+    assert overrides_of(diagnose(busy)) == ["data.batch_size=128"]
+
+    full = facts("cuda", forward=1, backward=2)
+    full.peak_mem_mb, full.device_mem_mb = 950.0, 1000.0
+    full.config = compose_cfg("parallelism=ddp")  # no reshard_after_forward in ddp's config
+    assert overrides_of(diagnose(full))[2:4] == [
+        "data.batch_size=32 parallelism.accumulate_steps=2",
+        "parallelism=fsdp",
+    ]
+    full.config = compose_cfg("parallelism=fsdp", "parallelism.reshard_after_forward=false")
+    advice = overrides_of(diagnose(full))
+    assert "parallelism=fsdp" not in advice
+    assert "parallelism.reshard_after_forward=true" in advice
+
+
 # --- out of memory ------------------------------------------------------------------------------
 
 

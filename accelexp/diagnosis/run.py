@@ -10,12 +10,14 @@ metrics `flop_utilisation` and `peak_gflops`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 import torch
+from omegaconf import DictConfig
 
 from accelexp.diagnosis import flops
 from accelexp.diagnosis.accounting import Breakdown
-from accelexp.diagnosis.verdict import MEMORY_ADVICE, RunFacts, Verdict, diagnose
+from accelexp.diagnosis.verdict import RunFacts, Verdict, diagnose, memory_advice, usable
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
@@ -33,11 +35,17 @@ class RunDiagnosis:
         self,
         strategy: Strategy,
         precision: Precision,
-        batch_size: int,
+        cfg: DictConfig,
         flops_per_sample: float | None,
+        in_effect: Mapping[str, str] | None = None,
+        convolutional: bool = True,
     ) -> None:
+        """`cfg`: the run's config, `in_effect`: the settings it really ran with where they
+        differ from it (`speed.channels_last` chosen by `auto`), `convolutional`: whether the
+        model has 2-D convolutions; the advice is drawn for them."""
         self.strategy, self.precision = strategy, precision
-        self.batch_size, self.flops_per_sample = batch_size, flops_per_sample
+        self.cfg, self.in_effect, self.convolutional = cfg, dict(in_effect or {}), convolutional
+        self.batch_size, self.flops_per_sample = cfg.data.batch_size, flops_per_sample
         self.last: Breakdown | None = None
         self.samples_per_s_per_device = 0.0
         self.peak_mem_mb: float | None = None
@@ -77,6 +85,9 @@ class RunDiagnosis:
                 device_mem_mb=device_memory_mb(device),
                 comm_advice=self.strategy.comm_advice(),
                 hta=self.hta,
+                config=self.cfg,
+                in_effect=self.in_effect,
+                convolutional=self.convolutional,
             )
         )
         log.info("%s", verdict.console())
@@ -94,7 +105,8 @@ class RunDiagnosis:
         if total:
             reached += f" of {total:.0f} MB"
         tried = str(error).strip().splitlines()[0][:160]
-        ways = "; ".join(f"{override} ({why})" for override, why in MEMORY_ADVICE)
+        advice = usable(memory_advice(self.batch_size), self.cfg, self.in_effect)
+        ways = "; ".join(f"{override} ({why})" for override, why in advice)
         return RunOutOfMemoryError(
             f"Out of memory on {device} in epoch {epoch} with data.batch_size={self.batch_size} "
             f"({reached}; {tried}). The run is FAILED, what it logged is kept. Ways out: {ways}."

@@ -14,6 +14,11 @@
    matmul peak.
 5. **compute** — none of the above: the device's arithmetic is the limit.
 
+The advice is the run's own: with the run's config (`RunFacts.config`), an override already in
+effect (`precision=bf16` to a bf16 run) or one the config's validation refuses (`speed.compile`
+to an `fsdp` run) is left out, "more devices" doubles the run's own workers, and
+`speed.channels_last` is offered only to a model with convolutions.
+
 The thresholds are round numbers, chosen so that the cases accelexp's tests produce on purpose
 (a slowed input pipeline, two Gloo workers on a large model with a tiny batch, a tiny model with
 a tiny batch) land where they should, and a default run lands in compute; the evidence is
@@ -22,8 +27,15 @@ printed with every verdict, so a borderline case can be judged by the numbers.
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from accelexp.config import ConfigError, validate
 from accelexp.diagnosis.accounting import Breakdown
 
 INPUT_SHARE = 0.25
@@ -31,6 +43,8 @@ COMM_SHARE = 0.25
 MEMORY_SHARE = 0.90
 GPU_BUSY = 0.60
 FLOP_SHARE = 0.05
+# strategies whose `nprocs` is the number of data-parallel workers (replicas or shards)
+DATA_PARALLEL_WORKERS = ("ddp", "fsdp", "horovod", "hybrid")
 
 
 @dataclass
@@ -46,6 +60,11 @@ class RunFacts:
     # the strategy's own overrides for communication, each with why (Strategy.comm_advice)
     comm_advice: list[tuple[str, str]] = field(default_factory=list)
     hta: dict[str, float] = field(default_factory=dict)  # HTA's figures (profile=true, GPU)
+    # the run's resolved config and what it really ran with ("speed.channels_last": "true" where
+    # `auto` chose it); None: advice as for any run
+    config: DictConfig | None = None
+    in_effect: Mapping[str, str] = field(default_factory=dict)
+    convolutional: bool = True  # the model has 2-D convolutions (channels_last helps it)
 
 
 @dataclass
@@ -125,6 +144,73 @@ def evidence_lines(facts: RunFacts) -> list[str]:
 
 
 def diagnose(facts: RunFacts) -> Verdict:
+    verdict = _diagnose(facts)
+    verdict.advice = usable(verdict.advice, facts.config, facts.in_effect)
+    return verdict
+
+
+def usable(
+    advice: list[tuple[str, str]], cfg: DictConfig | None, in_effect: Mapping[str, str] = {}
+) -> list[tuple[str, str]]:
+    """The advice a run of `cfg` can take: not in effect already (in `cfg`, or `in_effect`:
+    what an `auto` chose), and not refused by the config's validation. No `cfg`: all of it."""
+    if cfg is None:
+        return advice
+    settings = settings_of(cfg, in_effect)
+    return [item for item in advice if _usable(item[0], cfg, settings)]
+
+
+def settings_of(cfg: DictConfig, in_effect: Mapping[str, str]) -> dict[str, str]:
+    """Every key of the run's config as override text (`precision.init_scale` -> "65536.0"),
+    each config group by its option's name (`parallelism` -> "fsdp"), then `in_effect`."""
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    settings = {key: _text(value) for key, value in _flat(tree).items()}
+    for group, node in tree.items():
+        if isinstance(node, dict) and "name" in node:
+            settings[group] = _text(node["name"])
+    return settings | {key: _text(value) for key, value in in_effect.items()}
+
+
+def _flat(tree: Mapping, prefix: str = "") -> dict[str, object]:
+    flat: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat |= _flat(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _text(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _usable(override: str, cfg: DictConfig, settings: Mapping[str, str]) -> bool:
+    pairs = [token.split("=", 1) for token in override.split()]
+    if all(settings.get(key) == value for key, value in pairs):
+        return False  # in effect already
+    if any("." not in key for key, _ in pairs):
+        return True  # a group's option: what it composes is Hydra's to know
+    trial = copy.deepcopy(cfg)
+    try:
+        for key, value in pairs:
+            OmegaConf.update(trial, key, yaml.safe_load(value), force_add=False)
+        validate(trial)
+    except (ConfigError, OmegaConfBaseException):
+        return False
+    return True
+
+
+def more_devices(facts: RunFacts) -> tuple[str, str]:
+    """Twice the run's workers; a single-device run's first step: two DDP workers."""
+    cfg = facts.config
+    if cfg is not None and cfg.parallelism.name in DATA_PARALLEL_WORKERS:
+        workers = 2 * cfg.parallelism.nprocs
+        return f"parallelism.nprocs={workers}", f"{workers} workers: more devices"
+    return "parallelism=ddp parallelism.nprocs=2", "more devices"
+
+
+def _diagnose(facts: RunFacts) -> Verdict:
     b = facts.breakdown
     cuda = facts.device_type == "cuda"
     evidence = evidence_lines(facts)
@@ -170,7 +256,7 @@ def diagnose(facts: RunFacts) -> Verdict:
                 "memory",
                 f"the peak allocation reached {_pct(used)} of the GPU's memory",
                 evidence,
-                MEMORY_ADVICE,
+                memory_advice(facts.batch_size),
             )
     if cuda and b.gpu_busy is not None and b.gpu_busy < GPU_BUSY:
         return Verdict(
@@ -204,22 +290,31 @@ def diagnose(facts: RunFacts) -> Verdict:
         ("precision=bf16", "half-width arithmetic (tensor cores on a GPU)"),
         ("precision=amp", "fp16 with loss scaling"),
     ]
+    if cuda and facts.convolutional:
+        advice.append(("speed.channels_last=true", "the layout tensor cores want for convolutions"))
     if cuda:
-        advice += [
-            ("speed.channels_last=true", "the layout tensor cores want for convolutions"),
-            ("speed.tf32=true", "TF32 tensor cores for what stays fp32"),
-        ]
-    advice.append(("parallelism=ddp parallelism.nprocs=2", "more devices"))
+        advice.append(("speed.tf32=true", "TF32 tensor cores for what stays fp32"))
+    advice.append(more_devices(facts))
     return Verdict("compute", detail, evidence, advice)
 
 
-MEMORY_ADVICE = [
-    ("precision=bf16", "half-width activations: about half the memory they take"),
-    ("precision=amp", "fp16 activations, with loss scaling"),
-    (
-        "data.batch_size=<half> parallelism.accumulate_steps=2",
-        "the same samples per optimizer step, half the activations at a time",
-    ),
-    ("parallelism=model", "the layers (and their memory) split over several GPUs"),
-    ("parallelism=hybrid", "stages over GPUs within each data-parallel replica"),
-]
+def memory_advice(batch_size: int) -> list[tuple[str, str]]:
+    """The ways to need less memory per device, the cheapest first."""
+    return [
+        ("precision=bf16", "half-width activations: about half the memory they take"),
+        ("precision=amp", "fp16 activations, with loss scaling"),
+        (
+            f"data.batch_size={max(1, batch_size // 2)} parallelism.accumulate_steps=2",
+            "the same samples per optimizer step, half the activations at a time",
+        ),
+        (
+            "parallelism=fsdp",
+            "parameters, gradients and optimizer state sharded over the data-parallel workers",
+        ),
+        (
+            "parallelism.reshard_after_forward=true",
+            "free each unit's gathered weights after its forward",
+        ),
+        ("parallelism=model", "the layers (and their memory) split over several GPUs"),
+        ("parallelism=hybrid", "stages over GPUs within each data-parallel replica"),
+    ]
