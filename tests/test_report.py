@@ -33,6 +33,7 @@ from accelexp.report import (
     to_markdown,
     write_sweep_report,
 )
+from accelexp.report.cli import sweep_title
 from accelexp.tracking import query
 from accelexp.tracking.query import RunRecord
 from accelexp.train import run
@@ -683,3 +684,9 @@ def test_formats_of_no_rows_are_still_well_formed():
     assert to_csv([]).splitlines()[0].startswith("run_name,run_id,status,")
     assert json.loads(to_json([])) == []
     assert len(to_markdown([]).splitlines()) == 2
+
+
+def test_a_sweeps_title_says_sweep_once():
+    named = RunRecord("abc123", "sweep 2026-12-01 scaling", "FINISHED")
+    assert sweep_title(named) == "sweep 2026-12-01 scaling (abc123)"
+    assert sweep_title(RunRecord("abc123", "my study", "FINISHED")) == "Sweep my study (abc123)"

@@ -80,7 +80,7 @@ def write_sweep_report(
     rows = compare(records, baseline, strict=False)
     rungs = ladder(records)
     paths = write_tables(rows, out_dir, rungs) + write_plots(rows, records, out_dir, rungs)
-    title = f"{parent.name} ({sweep_run_id})"  # the name says "sweep ..." already
+    title = sweep_title(parent)
     paths.append(write_html(title, rows, out_dir, rungs, paths, f"Baseline: {baseline}"))
     query.log_artifacts(tracking_uri, sweep_run_id, paths, "report")
     return paths
@@ -115,7 +115,14 @@ def _select(args: argparse.Namespace) -> tuple[str, str, list[RunRecord]]:
             f"Run {parent.name!r} ({parent.run_id}) has no child runs: it is not a sweep's "
             f"parent run, or its sweep started no job."
         )
-    return parent.name, f"Sweep {parent.name} ({parent.run_id})", records
+    return parent.name, sweep_title(parent), records
+
+
+def sweep_title(parent: RunRecord) -> str:
+    """ "sweep 2026-12-01 ... (<id>)": a sweep's parent run is named "sweep ..." unless the user
+    named it, and then the title says what it is."""
+    prefix = "" if parent.name.lower().startswith("sweep") else "Sweep "
+    return f"{prefix}{parent.name} ({parent.run_id})"
 
 
 def build_parser() -> argparse.ArgumentParser:
