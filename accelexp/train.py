@@ -171,9 +171,8 @@ def _run(
         # a batch's shape, for strategies that time the model (parallelism.balance=compute)
         input_shape=(cfg.data.batch_size, data.in_channels, data.image_size, data.image_size),
         precision=cfg.precision.name,
+        compile_mode=switches.compile_mode,
     )
-    if switches.compile_mode:
-        model = strategy.compile(model, switches.compile_mode)
     optimizer = strategy.wrap_optimizer(
         build_optimizer(
             cfg.optimizer,

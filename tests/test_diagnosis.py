@@ -188,10 +188,12 @@ def test_the_advice_is_the_runs_own(compose_cfg):
     compute.in_effect, compute.convolutional = {}, False  # a ViT: no NHWC layout to offer
     assert "speed.channels_last=true" not in overrides_of(diagnose(compute))
 
-    # fsdp refuses speed.compile: the overhead verdict offers the bigger batch alone
+    # fsdp refuses CUDA graphs: the overhead verdict offers the bigger batch and fused kernels
     busy = facts("cuda", forward=1, backward=2)
     busy.breakdown.gpu_busy = 0.3
     busy.config = compose_cfg("parallelism=fsdp")
+    assert overrides_of(diagnose(busy)) == ["data.batch_size=128", "speed.compile=default"]
+    busy.config = compose_cfg("parallelism=fsdp", "speed.compile=default")  # compiled already
     assert overrides_of(diagnose(busy)) == ["data.batch_size=128"]
 
     full = facts("cuda", forward=1, backward=2)

@@ -63,6 +63,23 @@ def test_two_fsdp_workers_equal_one_process_with_the_same_global_batch(
     assert run.info.run_name == "simple_cnn-fsdp-np2-fp32"
 
 
+def test_two_compiled_fsdp_workers_equal_one_eager_process(
+    single_reference, tmp_path, tracking_uri
+):
+    """speed.compile=default under fsdp, through run.py's path: each layer compiled, then
+    sharded; the same parameters as one eager process, the warm-up timed as compile_s."""
+    cfg = compose_config(
+        tracking_uri, *EXACT, *FSDP, "speed.compile=default", "data.batch_size=32",
+        "max_steps_per_epoch=4",
+    )  # fmt: skip
+    launch(cfg, tmp_path / "out")
+    assert_same_params(final_params(tmp_path / "out"), single_reference[0])
+    run = only_run(tracking_uri)
+    assert run.data.params["fsdp_compiled_layers"] == "4"  # simple_cnn: 2 convs, 2 linears
+    assert run.data.metrics["compile_s"] > 0
+    assert run.info.run_name == "simple_cnn-fsdp-np2-fp32-compile:default"
+
+
 def test_fsdp_gradient_accumulation_equals_the_larger_batch(
     single_reference, tmp_path, tracking_uri
 ):
@@ -111,9 +128,39 @@ def test_hybrid_cannot_shard_its_pipelines(compose_cfg):
         validate(cfg)
 
 
-def test_fsdp_with_compile_stops_before_training(compose_cfg):
-    with pytest.raises(ConfigError, match=r"speed\.compile=default with parallelism=fsdp"):
-        validate(compose_cfg(*FSDP, "speed.compile=default"))
+def test_fsdp_with_cuda_graphs_stops_before_training(compose_cfg):
+    with pytest.raises(ConfigError, match=r"speed\.compile=reduce-overhead with parallelism=fsdp"):
+        validate(compose_cfg(*FSDP, "speed.compile=reduce-overhead"))
+    validate(compose_cfg(*FSDP, "speed.compile=default"))
+
+
+def test_fsdp_compiles_each_layer_before_sharding_it(compose_cfg):
+    """speed.compile under fsdp: each layer with parameters is a compiled module with FSDP's
+    hooks outside it; the outputs and gradients are the eager model's, and the state dict (what
+    best.pt holds) keeps the plain model's names."""
+    strategy = build_strategy(compose_cfg(*FSDP, "parallelism.nprocs=1", "model.dropout=0"))
+    strategy.setup()
+    try:
+        torch.manual_seed(0)
+        reference = nn.Sequential(
+            nn.Conv2d(3, 8, 3), nn.ReLU(), ConvBlock(8), nn.Flatten(), nn.Linear(8 * 4 * 4, 10)
+        )
+        sharded = strategy.wrap_model(copy.deepcopy(reference), compile_mode="default")
+        compiled = [m for m in sharded.modules() if "forward" in vars(m)]  # compiled forwards
+        assert len(compiled) == 3 and strategy.describe()["fsdp_compiled_layers"] == 3
+        x = torch.randn(6, 3, 8, 8)
+        outputs = []
+        for model in (reference, sharded):
+            out = model(x)
+            out.square().mean().backward()
+            outputs.append(out)
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-5)
+        for p, q in zip(sharded.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-5)
+        full = strategy.model_state_dict(sharded)
+        assert list(full) == list(reference.state_dict())
+    finally:
+        strategy.teardown()
 
 
 def test_fsdp_cpu_offload_on_a_cpu_is_one_message(tmp_path, tracking_uri):

@@ -168,7 +168,7 @@ def test_model_parallel_compiles_each_stage_and_keeps_the_outputs(compose_cfg):
     torch.manual_seed(0)
     model = build_model(cfg.model, 3, 10, 16)
     expected = model.eval()(torch.ones(4, 3, 16, 16))
-    wrapped = strategy.compile(strategy.wrap_model(model), "default").eval()
+    wrapped = strategy.wrap_model(model, compile_mode="default").eval()
     assert all(stage._compiled_call_impl is not None for stage in strategy.pipeline.stages)
     assert wrapped._compiled_call_impl is None  # the clock loop between stages stays eager
     torch.testing.assert_close(wrapped(torch.ones(4, 3, 16, 16)), expected)

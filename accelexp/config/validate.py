@@ -258,11 +258,12 @@ def _parallelism_problems(cfg: DictConfig) -> list[str]:
             "pipeline stages (2-D parallelism) is not supported. Use parallelism=fsdp (shards, "
             "one device per worker), or hybrid with parallelism.engine=ddp or horovod."
         )
-    if parallelism.name == "fsdp" and cfg.speed.compile != "off":
+    if parallelism.name == "fsdp" and cfg.speed.compile == "reduce-overhead":
         problems.append(
-            f"  speed.compile={cfg.speed.compile} with parallelism=fsdp: compiling FSDP2 needs "
-            "each block compiled before it is sharded (torchtitan's recipe), which accelexp "
-            "does not do yet. Use speed.compile=off with fsdp, or parallelism=ddp to compile."
+            "  speed.compile=reduce-overhead with parallelism=fsdp: CUDA graphs replay fixed "
+            "memory addresses, and FSDP frees and re-gathers the weights every step. Use "
+            "speed.compile=default or max-autotune with fsdp (each block compiled before it is "
+            "sharded), or parallelism=ddp for CUDA graphs."
         )
     return problems
 

@@ -15,9 +15,9 @@
 5. **compute** — none of the above: the device's arithmetic is the limit.
 
 The advice is the run's own: with the run's config (`RunFacts.config`), an override already in
-effect (`precision=bf16` to a bf16 run) or one the config's validation refuses (`speed.compile`
-to an `fsdp` run) is left out, "more devices" doubles the run's own workers, and
-`speed.channels_last` is offered only to a model with convolutions.
+effect (`precision=bf16` to a bf16 run) or one the config's validation refuses (CUDA graphs,
+`speed.compile=reduce-overhead`, to an `fsdp` run) is left out, "more devices" doubles the
+run's own workers, and `speed.channels_last` is offered only to a model with convolutions.
 
 The thresholds are round numbers, chosen so that the cases accelexp's tests produce on purpose
 (a slowed input pipeline, two Gloo workers on a large model with a tiny batch, a tiny model with

@@ -172,8 +172,19 @@ class Sync:
         """The model as built, before it is placed (e.g. BatchNorm made synchronous)."""
         return model
 
-    def wrap(self, model: nn.Module, device: torch.device, precision: str) -> nn.Module:
-        """The placed model, wrapped so replicas agree (`precision`: fp32, amp or bf16)."""
+    # True: `wrap` compiles the model itself (FSDP: each unit before it is sharded); otherwise
+    # the placement compiles the wrapped model
+    compiles_units = False
+
+    def wrap(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        precision: str,
+        compile_mode: str | None = None,
+    ) -> nn.Module:
+        """The placed model, wrapped so replicas agree (`precision`: fp32, amp or bf16;
+        `compile_mode`: for a sync that `compiles_units`)."""
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -344,9 +355,13 @@ class Strategy:
         model: nn.Module,
         input_shape: Sequence[int] | None = None,
         precision: str = "fp32",
+        compile_mode: str | None = None,
     ) -> nn.Module:
+        """The model placed, wrapped and, with a `compile_mode`, compiled (`torch.compile`)."""
         placed = self.place(self.sync.prepare(model), input_shape)
-        self.model = self.sync.wrap(placed, self.device, precision)
+        self.model = self.sync.wrap(placed, self.device, precision, compile_mode)
+        if compile_mode and not self.sync.compiles_units:
+            self.model = self.placement.compile(self.model, compile_mode)
         return self.model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -374,9 +389,6 @@ class Strategy:
     ) -> None:
         """The main rank's optimizer state into every rank's optimizer; every rank calls it."""
         self.sync.load_optimizer_state_dict(self.unwrap(model), optimizer, state)
-
-    def compile(self, model: nn.Module, mode: str) -> nn.Module:
-        return self.placement.compile(model, mode)
 
     def scale_lr(self, lr: float) -> float:
         """`parallelism.lr_scaling` with the number of samples per optimizer step."""

@@ -78,7 +78,13 @@ class DDPSync(TorchDistributed):
             return nn.SyncBatchNorm.convert_sync_batchnorm(model)
         return model
 
-    def wrap(self, model: nn.Module, device: torch.device, precision: str) -> nn.Module:
+    def wrap(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        precision: str,
+        compile_mode: str | None = None,
+    ) -> nn.Module:
         devices = {p.device for p in model.parameters()}
         ddp = DistributedDataParallel(
             model,

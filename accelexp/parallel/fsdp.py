@@ -22,6 +22,11 @@ all-gathered just before its forward (and again before its backward when
 - `cpu_offload`: parameters, gradients and optimizer state live in host memory, on CUDA only.
 - Gradient accumulation: the micro-batches that only accumulate skip the reduce-scatter
   (`set_requires_gradient_sync(False)`).
+- `speed.compile`: each layer of the model's layer sequence that holds parameters (a residual
+  or encoder block, a CNN's layer) is compiled on its own before it is sharded, as torchtitan
+  does; the FSDP hooks around it stay eager. CUDA graphs (`reduce-overhead`) are refused: FSDP
+  frees and re-gathers the weights a graph would capture at fixed addresses. Under bf16/amp the
+  fp32 BatchNorm groups' hooks break a compiled block's graph at each BatchNorm.
 - Checkpoints: the full state, gathered to rank 0 (`torch.distributed.checkpoint.state_dict`
   with `full_state_dict`), so best.pt loads into a plain model in a single process; resuming
   loads it back, broadcast from rank 0 and resharded.
@@ -66,11 +71,47 @@ def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return torch.float16 if precision == "amp" else None
 
 
+def own_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers of the model's layer sequence that hold parameters and are its own modules: a
+    view made for cutting (vit_b_16's embedding) runs outside the model's forward, so its
+    weights stay with the root unit."""
+    own = {id(module) for module in model.modules()}
+    return [
+        layer
+        for _, layer in layer_sequence(model)
+        if id(layer) in own and any(True for _ in layer.parameters())
+    ]
+
+
+def compile_layers(model: nn.Module, mode: str) -> int:
+    """Each of `own_layers` but a lone BatchNorm compiled: its `forward` replaced by
+    `torch.compile` of it, so the FSDP hooks that run around the forward (in the module's
+    `__call__`) stay eager, as torchtitan keeps them by compiling blocks before sharding them;
+    the layers between them (activations, pooling) stay eager. The module itself is unchanged,
+    so are its state dict's names. Returns how many layers were compiled."""
+    compiled = 0
+    for layer in own_layers(model):
+        if isinstance(layer, _BatchNorm) or layer is model:
+            continue
+        layer.forward = torch.compile(layer.forward, mode=mode)
+        compiled += 1
+    return compiled
+
+
 class FSDPSync(TorchDistributed):
     name = "fsdp"
     shards = True
+    compiled = 0
 
-    def wrap(self, model: nn.Module, device: torch.device, precision: str) -> nn.Module:
+    compiles_units = True
+
+    def wrap(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        precision: str,
+        compile_mode: str | None = None,
+    ) -> nn.Module:
         cfg = self.cfg
         if cfg.cpu_offload and device.type != "cuda":
             raise ConfigError(
@@ -102,18 +143,17 @@ class FSDPSync(TorchDistributed):
             fully_shard(unit, **(norm_options if isinstance(unit, _BatchNorm) else options))
             self.units += 1
 
+        if compile_mode:
+            self.compiled = compile_layers(model, compile_mode)
         if cfg.granularity == "block":
-            # the model's own submodules: a view made for cutting (vit_b_16's embedding) runs
-            # outside the model's forward, so its weights stay with the root unit
-            own = {id(module) for module in model.modules()}
-            for _, layer in layer_sequence(model):
-                if id(layer) in own and any(True for _ in layer.parameters()):
-                    shard(layer)
+            for layer in own_layers(model):
+                shard(layer)
         shard(model)
         return model
 
     def describe(self) -> dict[str, int | str]:
-        return {"fsdp_units": self.units, "fsdp_fp32_norm_groups": self.norm_groups}
+        facts = {"fsdp_units": self.units, "fsdp_fp32_norm_groups": self.norm_groups}
+        return facts | ({"fsdp_compiled_layers": self.compiled} if self.compiled else {})
 
     @contextlib.contextmanager
     def backward_context(self, model: nn.Module, sync: bool):

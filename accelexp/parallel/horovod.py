@@ -108,7 +108,13 @@ class HorovodSync(Sync):
         # Adasum adapts the combined step itself: Horovod's examples do not scale its lr by size
         return 1 if self.cfg.op == "adasum" else super().lr_factor(samples_factor, rule)
 
-    def wrap(self, model: nn.Module, device: torch.device, precision: str) -> nn.Module:
+    def wrap(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        precision: str,
+        compile_mode: str | None = None,
+    ) -> nn.Module:
         state = model.state_dict()
         # Horovod sends contiguous tensors only: channels_last weights travel as NCHW copies
         sent = {k: t if t.is_contiguous() else t.contiguous() for k, t in state.items()}
