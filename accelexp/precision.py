@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -38,6 +40,13 @@ class Precision:
             )
         if name == "amp" and device.type != "cuda":
             log.info("precision=amp on %s: bf16 autocast without a GradScaler", device.type)
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any], device: torch.device) -> Precision:
+        """From the `precision` config group: its name, and the GradScaler's keys where the
+        option has them (`amp`)."""
+        scaler = {key: cfg[key] for key in ("init_scale", "growth_interval") if key in cfg}
+        return cls(cfg["name"], device, **scaler)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context the forward pass and the loss run in."""

@@ -182,9 +182,7 @@ def _run(
         ),
         model,
     )
-    precision = Precision(
-        cfg.precision.name, strategy.device, cfg.precision.init_scale, cfg.precision.growth_interval
-    )
+    precision = Precision.from_config(cfg.precision, strategy.device)
     steps = optimizer_steps_per_epoch(
         len(train_loader), cfg.max_steps_per_epoch, strategy.accumulate_steps
     )

@@ -108,8 +108,9 @@ CASES = [
     case("model.dropout=1", "model.dropout"),
     case("model=mlp model.widths=[]", "model.widths"),
     # --- precision -------------------------------------------------------------------------
-    case("precision.init_scale=0", "precision.init_scale"),
-    case("precision.growth_interval=99999999999", "precision.growth_interval"),
+    case("precision=amp precision.init_scale=0", "precision.init_scale"),
+    case("precision=amp precision.growth_interval=99999999999", "precision.growth_interval"),
+    case("precision.init_scale=1024", "applies only to precision=amp"),  # fp32: no scaler
     # --- optimizer -------------------------------------------------------------------------
     case("optimizer.lr=1e308", "optimizer.lr"),
     case("optimizer.lr=nan", "optimizer.lr"),

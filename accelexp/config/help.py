@@ -102,6 +102,8 @@ def _top_level_lines(root: DictConfig, groups: set[str]) -> list[str]:
 def _wrapped(label: str, words: list[str], indent: int = 2) -> list[str]:
     """`label` then `words` filled to WIDTH columns, continuation lines under the first word."""
     prefix = " " * indent + (f"{label}  " if label else "")
+    if not words:  # an option without keys of its own (precision=fp32): its label alone
+        return [prefix.rstrip()]
     return textwrap.wrap(
         " ".join(words),
         WIDTH,

@@ -110,9 +110,15 @@ class SyntheticDataConfig(DataConfig):
 @dataclass
 class PrecisionConfig:
     name: str = "fp32"  # fp32 | amp | bf16
-    # GradScaler settings (used only where a scaler is used: amp on CUDA)
-    init_scale: float = 65536.0
-    growth_interval: int = 2000
+
+
+@dataclass
+class AmpConfig(PrecisionConfig):
+    """fp16 autocast with a GradScaler on CUDA (a CPU runs bf16 autocast, without a scaler)."""
+
+    name: str = "amp"
+    init_scale: float = 65536.0  # the GradScaler's first loss scale
+    growth_interval: int = 2000  # steps without an inf before the scale doubles
 
 
 @dataclass
@@ -352,7 +358,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "torchvision_vit": TorchvisionViTConfig,
     },
     "data": {"stored": StoredDataConfig, "synthetic": SyntheticDataConfig},
-    "precision": {"precision": PrecisionConfig},
+    "precision": {"precision": PrecisionConfig, "amp": AmpConfig},
     "parallelism": {
         "single": ParallelismConfig,
         "dp": DataParallelConfig,
