@@ -201,6 +201,8 @@ def _run(
     profiler = StepProfiler(cfg, output_dir, strategy.rank, strategy.device)
     trainer.profiler = profiler if profiler.enabled else None
     in_effect = {f"speed.{key}": value for key, value in switches.tags().items() if key != "speed"}
+    if precision.dtype is torch.bfloat16:  # precision=amp on a CPU is bf16 autocast
+        in_effect["precision"] = "bf16"
     diagnosis = RunDiagnosis(
         strategy, precision, cfg, flops_per_sample, in_effect, has_conv2d(model)
     )

@@ -187,6 +187,11 @@ def test_the_advice_is_the_runs_own(compose_cfg):
     assert advice == ["precision=amp", "speed.tf32=true", "parallelism.nprocs=4"]
     compute.in_effect, compute.convolutional = {}, False  # a ViT: no NHWC layout to offer
     assert "speed.channels_last=true" not in overrides_of(diagnose(compute))
+    # on a CPU, amp is bf16 autocast: a run with either is offered neither
+    on_cpu = facts("cpu", forward=1, backward=2)
+    on_cpu.config = compose_cfg("precision=amp")
+    on_cpu.in_effect = {"precision": "bf16"}  # what train.py says of amp on a CPU
+    assert overrides_of(diagnose(on_cpu)) == ["parallelism=ddp parallelism.nprocs=2"]
 
     # fsdp refuses CUDA graphs: the overhead verdict offers the bigger batch and fused kernels
     busy = facts("cuda", forward=1, backward=2)

@@ -286,10 +286,9 @@ def _diagnose(facts: RunFacts) -> Verdict:
     detail = "the device's arithmetic is the limit"
     if facts.flop_utilisation is not None:
         detail += f" (model FLOPs at {100 * facts.flop_utilisation:.0f}% of the measured peak)"
-    advice = [
-        ("precision=bf16", "half-width arithmetic (tensor cores on a GPU)"),
-        ("precision=amp", "fp16 with loss scaling"),
-    ]
+    advice = [("precision=bf16", "half-width arithmetic (tensor cores on a GPU)")]
+    if cuda:  # on a CPU, precision=amp is bf16 autocast
+        advice.append(("precision=amp", "fp16 with loss scaling"))
     if cuda and facts.convolutional:
         advice.append(("speed.channels_last=true", "the layout tensor cores want for convolutions"))
     if cuda:
