@@ -234,6 +234,7 @@ def _run(
         }
         tags = {
             **run_tags(cfg, strategy.world_size, overrides),
+            **strategy.tags(),
             **switches.tags(),
             "data_placement": placement,
             "device": device_label(strategy),

@@ -136,6 +136,7 @@ def test_a_sweep_over_worker_counts_logs_one_run_per_job(name, tmp_path):
     for run in runs:
         assert run.info.status == "FINISHED"
         assert run.data.tags["parallelism"] == name
+        assert (run.data.tags["placement"], run.data.tags["sync"]) == ("one device", name)
         assert {"samples_per_s", "samples_per_s_per_device", "test_acc"} <= run.data.metrics.keys()
     names = sorted(r.info.run_name for r in runs)
     assert names == [f"np1 simple_cnn-{name}-fp32", f"np2 simple_cnn-{name}-fp32"]

@@ -324,6 +324,7 @@ def test_two_hybrid_replicas_equal_one_process_with_the_same_global_batch(
         "2",
     )
     assert run.data.tags["parallelism"] == "hybrid"
+    assert (run.data.tags["placement"], run.data.tags["sync"]) == ("stages", engine)
     assert run.info.run_name == f"simple_cnn-hybrid-{engine}-np2-s2c2-fp32"
     assert "stage1_peak_mem_mb" in run.data.metrics
 

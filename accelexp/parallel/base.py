@@ -332,6 +332,11 @@ class Strategy:
             **self.sync.describe(),
         }
 
+    def tags(self) -> dict[str, str]:
+        """The two parts of the strategy, as tags to filter runs by (all DDP-synced runs, ddp's
+        and hybrid's: `tags.sync = 'ddp'`)."""
+        return {"placement": self.placement.name, "sync": self.sync.name}
+
     # --- memory ------------------------------------------------------------------------------
     def reset_memory_stats(self) -> None:
         """Start a new peak (called at each epoch's start)."""
