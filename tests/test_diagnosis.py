@@ -187,6 +187,8 @@ def test_the_advice_is_the_runs_own(compose_cfg):
     assert advice == ["precision=amp", "speed.tf32=true", "parallelism.nprocs=4"]
     compute.in_effect, compute.convolutional = {}, False  # a ViT: no NHWC layout to offer
     assert "speed.channels_last=true" not in overrides_of(diagnose(compute))
+    compute.config = compose_cfg("parallelism=model")
+    assert overrides_of(diagnose(compute))[-1] == "parallelism=hybrid parallelism.nprocs=2"
     # on a CPU, amp is bf16 autocast: a run with either is offered neither
     on_cpu = facts("cpu", forward=1, backward=2)
     on_cpu.config = compose_cfg("precision=amp")

@@ -202,11 +202,14 @@ def _usable(override: str, cfg: DictConfig, settings: Mapping[str, str]) -> bool
 
 
 def more_devices(facts: RunFacts) -> tuple[str, str]:
-    """Twice the run's workers; a single-device run's first step: two DDP workers."""
+    """Twice the run's workers; a model split over devices: two replicas of it (hybrid); a
+    single-device run's first step: two DDP workers."""
     cfg = facts.config
     if cfg is not None and cfg.parallelism.name in DATA_PARALLEL_WORKERS:
         workers = 2 * cfg.parallelism.nprocs
         return f"parallelism.nprocs={workers}", f"{workers} workers: more devices"
+    if cfg is not None and cfg.parallelism.name == "model":
+        return "parallelism=hybrid parallelism.nprocs=2", "two replicas of the stages"
     return "parallelism=ddp parallelism.nprocs=2", "more devices"
 
 
