@@ -21,6 +21,7 @@ from accelexp.diagnosis.accounting import BACKWARD, FORWARD, INPUT, Breakdown, C
 from accelexp.diagnosis.verdict import RunFacts, diagnose
 from accelexp.engine import eager_warmup_steps
 from accelexp.launch import launch
+from accelexp.parallel import build_strategy
 from accelexp.parallel.ddp import TimedAllreduce
 from accelexp.train import run
 
@@ -182,12 +183,14 @@ def test_the_advice_is_the_runs_own(compose_cfg):
     assert single[-1] == "parallelism=ddp parallelism.nprocs=2"
 
     compute.config = compose_cfg("parallelism=ddp", "parallelism.nprocs=2", "precision=bf16")
+    compute.scale_out = build_strategy(compute.config).scale_out_advice()
     compute.in_effect = {"speed.channels_last": "true"}  # what `auto` chose
     advice = overrides_of(diagnose(compute))
     assert advice == ["precision=amp", "speed.tf32=true", "parallelism.nprocs=4"]
     compute.in_effect, compute.convolutional = {}, False  # a ViT: no NHWC layout to offer
     assert "speed.channels_last=true" not in overrides_of(diagnose(compute))
     compute.config = compose_cfg("parallelism=model")
+    compute.scale_out = build_strategy(compute.config).scale_out_advice()
     assert overrides_of(diagnose(compute))[-1] == "parallelism=hybrid parallelism.nprocs=2"
     # on a CPU, amp is bf16 autocast: a run with either is offered neither
     on_cpu = facts("cpu", forward=1, backward=2)

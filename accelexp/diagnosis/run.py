@@ -88,6 +88,7 @@ class RunDiagnosis:
                 config=self.cfg,
                 in_effect=self.in_effect,
                 convolutional=self.convolutional,
+                scale_out=self.strategy.scale_out_advice(),
             )
         )
         log.info("%s", verdict.console())

@@ -16,8 +16,9 @@
 
 The advice is the run's own: with the run's config (`RunFacts.config`), an override already in
 effect (`precision=bf16` to a bf16 run) or one the config's validation refuses (CUDA graphs,
-`speed.compile=reduce-overhead`, to an `fsdp` run) is left out, "more devices" doubles the
-run's own workers, and `speed.channels_last` is offered only to a model with convolutions.
+`speed.compile=reduce-overhead`, to an `fsdp` run) is left out, "more devices" is the strategy's
+own (`Strategy.scale_out_advice`: twice its workers, say), and `speed.channels_last` is offered
+only to a model with convolutions.
 
 The thresholds are round numbers, chosen so that the cases accelexp's tests produce on purpose
 (a slowed input pipeline, two Gloo workers on a large model with a tiny batch, a tiny model with
@@ -36,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from accelexp.config import ConfigError, validate
+from accelexp.config.catalog import flatten
 from accelexp.diagnosis.accounting import Breakdown
 
 INPUT_SHARE = 0.25
@@ -43,8 +45,6 @@ COMM_SHARE = 0.25
 MEMORY_SHARE = 0.90
 GPU_BUSY = 0.60
 FLOP_SHARE = 0.05
-# strategies whose `nprocs` is the number of data-parallel workers (replicas or shards)
-DATA_PARALLEL_WORKERS = ("ddp", "fsdp", "horovod", "hybrid")
 
 
 @dataclass
@@ -65,6 +65,8 @@ class RunFacts:
     config: DictConfig | None = None
     in_effect: Mapping[str, str] = field(default_factory=dict)
     convolutional: bool = True  # the model has 2-D convolutions (channels_last helps it)
+    # the strategy's override for more devices, with why (Strategy.scale_out_advice)
+    scale_out: tuple[str, str] = ("parallelism=ddp parallelism.nprocs=2", "more devices")
 
 
 @dataclass
@@ -164,21 +166,11 @@ def settings_of(cfg: DictConfig, in_effect: Mapping[str, str]) -> dict[str, str]
     """Every key of the run's config as override text (`precision.init_scale` -> "65536.0"),
     each config group by its option's name (`parallelism` -> "fsdp"), then `in_effect`."""
     tree = OmegaConf.to_container(cfg, resolve=True)
-    settings = {key: _text(value) for key, value in _flat(tree).items()}
+    settings = {key: _text(value) for key, value in flatten(tree).items()}
     for group, node in tree.items():
         if isinstance(node, dict) and "name" in node:
             settings[group] = _text(node["name"])
     return settings | {key: _text(value) for key, value in in_effect.items()}
-
-
-def _flat(tree: Mapping, prefix: str = "") -> dict[str, object]:
-    flat: dict[str, object] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat |= _flat(value, f"{prefix}{key}.")
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _text(value: object) -> str:
@@ -199,18 +191,6 @@ def _usable(override: str, cfg: DictConfig, settings: Mapping[str, str]) -> bool
     except (ConfigError, OmegaConfBaseException):
         return False
     return True
-
-
-def more_devices(facts: RunFacts) -> tuple[str, str]:
-    """Twice the run's workers; a model split over devices: two replicas of it (hybrid); a
-    single-device run's first step: two DDP workers."""
-    cfg = facts.config
-    if cfg is not None and cfg.parallelism.name in DATA_PARALLEL_WORKERS:
-        workers = 2 * cfg.parallelism.nprocs
-        return f"parallelism.nprocs={workers}", f"{workers} workers: more devices"
-    if cfg is not None and cfg.parallelism.name == "model":
-        return "parallelism=hybrid parallelism.nprocs=2", "two replicas of the stages"
-    return "parallelism=ddp parallelism.nprocs=2", "more devices"
 
 
 def _diagnose(facts: RunFacts) -> Verdict:
@@ -296,7 +276,7 @@ def _diagnose(facts: RunFacts) -> Verdict:
         advice.append(("speed.channels_last=true", "the layout tensor cores want for convolutions"))
     if cuda:
         advice.append(("speed.tf32=true", "TF32 tensor cores for what stays fp32"))
-    advice.append(more_devices(facts))
+    advice.append(facts.scale_out)
     return Verdict("compute", detail, evidence, advice)
 
 

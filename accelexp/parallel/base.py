@@ -131,6 +131,10 @@ class Placement:
     def describe(self) -> dict[str, int | str]:
         return {}
 
+    def scale_out_advice(self) -> tuple[str, str]:
+        """The override that puts more devices to work on this placement, with why."""
+        return "parallelism=ddp parallelism.nprocs=2", "more devices"
+
     def reset_memory_stats(self) -> None:
         for device in set(self.devices):
             if device.type == "cuda":
@@ -441,6 +445,14 @@ class Strategy:
     def comm_advice(self) -> list[tuple[str, str]]:
         """Overrides that cut this strategy's communication, each with why (for a verdict)."""
         return self.sync.comm_advice()
+
+    def scale_out_advice(self) -> tuple[str, str]:
+        """The override that puts more devices to work, with why (for a verdict): twice the
+        workers where replicas keep in sync, else what the placement suggests."""
+        if self.sync.name != "none":
+            workers = 2 * self.cfg.nprocs
+            return f"parallelism.nprocs={workers}", f"{workers} workers: more devices"
+        return self.placement.scale_out_advice()
 
     # --- collectives -------------------------------------------------------------------------
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -138,6 +138,9 @@ class Stages(Placement):
             stage.compile(mode=mode)
         return model
 
+    def scale_out_advice(self) -> tuple[str, str]:
+        return "parallelism=hybrid parallelism.nprocs=2", "two replicas of the stages"
+
     def describe(self) -> dict[str, int | str]:
         facts: dict[str, int | str] = {
             "stages": len(self.devices),
