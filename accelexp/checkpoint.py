@@ -39,6 +39,8 @@ RESTART_ENV = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 # keys that change how a run is watched, not what it computes: a resumed run may differ in them
 NOT_TRAINING = (
     "resume",
+    "repeats",  # how many repeats a sweep runs (each one's repeat_index and seed do count)
+    "repeat_seed",
     "max_batch",  # a search after training: the training is the same with or without it
     "progress",
     "log_every_n_steps",

@@ -29,6 +29,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from accelexp import stats
 from accelexp.data import BatchLoader
 from accelexp.diagnosis.accounting import (
     BACKWARD,
@@ -46,9 +48,11 @@ from accelexp.diagnosis.accounting import (
     Breakdown,
     StepClock,
 )
+from accelexp.diagnosis.noise import ContentionProbe, NoiseSample
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
+from accelexp.stats import Estimate
 
 log = logging.getLogger(__name__)
 LINE_EVERY_S = 10.0  # the least time between two progress lines of piped output
@@ -64,10 +68,34 @@ class EpochResult:
     timed_steps: int  # the steps `samples` and `seconds` count (all but the warm-up steps)
     compile_seconds: float | None = None  # the compile warm-up steps, slowest rank
     breakdown: Breakdown = field(default_factory=Breakdown)  # the timed steps, mean over ranks
+    step_seconds: list[float] = field(default_factory=list)  # each timed step's, this rank's
+    noise: NoiseSample | None = None  # what shows a shared machine, worst over ranks
+
+    def throughput(self) -> Estimate:
+        """`samples_per_s` with its 95 % interval from the batch means of the step times."""
+        return throughput([self])
 
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.seconds
+
+
+def throughput(epochs: Sequence[EpochResult]) -> Estimate:
+    """Samples/s over the timed steps of `epochs` (their samples over their seconds, as the
+    slowest rank measured them with the device synchronised), with the relative 95 % interval
+    of the batch means of their step times (`accelexp.stats.rate`): consecutive steps are
+    correlated (a neighbour's burst, a clock change slows several), so steps are not independent
+    observations, batches of them nearly are."""
+    samples = sum(e.samples for e in epochs)
+    seconds = sum(e.seconds for e in epochs)
+    steps = [s for e in epochs for s in e.step_seconds]
+    measured = samples / seconds if seconds > 0 else math.nan
+    if not steps or sum(steps) <= 0 or math.isnan(measured):
+        return stats.Estimate(measured, n=len(steps))
+    estimate = stats.rate(steps, 1.0)
+    if not estimate.has_interval:
+        return stats.Estimate(measured, n=len(steps))
+    return estimate.scaled(measured / estimate.value)
 
 
 class TrainingDivergedError(AccelexpError):
@@ -151,6 +179,8 @@ class Trainer:
         self.warmed_up = False  # the first epoch trained leaves out its warm-up steps
         self.clock = StepClock(self.device)
         self.profiler = None  # a StepProfiler (profile=true), stepped after each step
+        # what shows a shared machine, sampled over each epoch's timed steps
+        self.probe = ContentionProbe(self.device, torch.get_num_threads())
 
     def batches_per_epoch(self, loader: BatchLoader) -> int:
         return batches_per_epoch(len(loader), self.max_steps)
@@ -179,10 +209,11 @@ class Trainer:
             leave=False,
             mininterval=0.5,
         )
-        clock, profiler = self.clock, self.profiler
+        clock, profiler, probe = self.clock, self.profiler, self.probe
         synchronize(self.device)
         start = last_line = time.perf_counter()
         clock.start()
+        probe.start()
         for step, (images, labels) in enumerate(loader):
             if step == steps:
                 break
@@ -206,12 +237,12 @@ class Trainer:
             bar.update()
             if profiler is not None:
                 profiler.step()
-            if step + 1 == warmup:  # warmed up: time the steps from here on
+            timing_starts = step + 1 == warmup
+            if timing_starts:  # time the steps from here on
                 synchronize(self.device)
                 now = time.perf_counter()
                 warmup_seconds, start, timed_from = now - start, now, seen
                 self.strategy.take_comm_time()  # the warm-up steps' communication is not timed
-                clock.start()
             elif self.progress and figures_due(step + 1, self.log_every):
                 now = time.perf_counter()
                 figures = {
@@ -228,9 +259,14 @@ class Trainer:
                         "  ".join(f"{k} {v}" for k, v in figures.items()),
                     )  # fmt: skip
             clock.mark(OTHER)
+            if timing_starts:
+                clock.start()
+                probe.start()
         synchronize(self.device)
         seconds = time.perf_counter() - start
         breakdown = clock.stop(self.strategy.take_comm_time())
+        step_seconds = clock.step_seconds()
+        noise = self._worst_over_ranks(probe.stop(step_seconds))
         bar.close()
         total_loss, total_correct, total_seen, total_timed = self._sum_over_ranks(
             loss_sum, correct, seen, seen - timed_from
@@ -247,6 +283,8 @@ class Trainer:
             steps - warmup,
             warmup_seconds if warmup and self.compile_steps else None,
             self._mean_over_ranks(breakdown),
+            step_seconds,
+            noise,
         )
 
     def untimed_steps(self, steps: int) -> int:
@@ -254,6 +292,9 @@ class Trainer:
         if self.compile_steps:
             return min(self.compile_steps, steps - 1)
         return eager_warmup_steps(steps)
+
+    def _worst_over_ranks(self, sample: NoiseSample) -> NoiseSample:
+        return NoiseSample.worst_of(self.strategy.reduce_max(sample.to_tensor(self.device)), sample)
 
     def _mean_over_ranks(self, breakdown: Breakdown) -> Breakdown:
         total = self.strategy.reduce_sum(breakdown.to_tensor(self.device))

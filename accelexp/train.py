@@ -32,7 +32,13 @@ from accelexp.data.sources import SYNTHETIC_SEED
 from accelexp.diagnosis import flops
 from accelexp.diagnosis.profiler import StepProfiler
 from accelexp.diagnosis.run import RunDiagnosis, is_out_of_memory
-from accelexp.engine import Trainer, check_diverged, optimizer_steps_per_epoch
+from accelexp.engine import (
+    EpochResult,
+    Trainer,
+    check_diverged,
+    optimizer_steps_per_epoch,
+    throughput,
+)
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
 from accelexp.parallel import build_strategy, run_label
@@ -240,6 +246,7 @@ def _run(
             "device": device_label(strategy),
             "host": platform.node(),
             "config_hash": config_hash(resolved),
+            "config_id": config_id(resolved),
             "output_dir": str(output_dir.resolve()),
         }
         tracker.start(name, params, tags)
@@ -277,6 +284,7 @@ def _run(
         tracker.end("FAILED")
         raise
     tracker.end("FINISHED")
+    diagnosis.say_noise()
     return metrics
 
 
@@ -358,11 +366,13 @@ class Fit:
     ) -> dict[str, float]:
         cfg, trainer, strategy = self.cfg, self.trainer, self.strategy
         run_start = time.perf_counter() - progress.elapsed_s
+        trained: list[EpochResult] = []  # the epochs this process trained
         for epoch in range(progress.epoch + 1, cfg.epochs + 1):
             strategy.reset_memory_stats()
             lr = trainer.optimizer.param_groups[0]["lr"]
             with self.profiler.epoch(epoch):
                 train = trainer.train_epoch(train_loader, epoch)
+            trained.append(train)
             self.diagnosis.profiled(self.profiler.collect(strategy, self.tracker))
             val_loss, val_acc = trainer.evaluate(val_loader, "val")
             elapsed = time.perf_counter() - run_start
@@ -382,7 +392,9 @@ class Fit:
                 "grad_scale": trainer.precision.grad_scale(),
                 "compile_s": train.compile_seconds,
                 "elapsed_s": elapsed,
-                **self.diagnosis.epoch(train.breakdown, per_device, memory.get("peak_mem_mb")),
+                **self.diagnosis.epoch(
+                    train.breakdown, per_device, memory.get("peak_mem_mb"), train.noise
+                ),
             }
             self.tracker.log_metrics(metrics, step=epoch)
             check_diverged(train, epoch, trainer.precision, lr)
@@ -401,7 +413,7 @@ class Fit:
                     epoch, cfg.epochs, train.loss, train.accuracy, val_loss, val_acc,
                     train.samples_per_s, train.seconds,
                 )  # fmt: skip
-        return self.test(test_loader, progress, time.perf_counter() - run_start)
+        return self.test(test_loader, progress, time.perf_counter() - run_start, trained)
 
     def save_best(self, epoch: int, val_acc: float) -> None:
         """The whole model's weights; every rank takes part (FSDP gathers its shards)."""
@@ -432,9 +444,16 @@ class Fit:
         checkpoint.save(self.checkpoints / checkpoint.LAST, state)
 
     def test(
-        self, test_loader: BatchLoader, progress: checkpoint.Progress, total_s: float
+        self,
+        test_loader: BatchLoader,
+        progress: checkpoint.Progress,
+        total_s: float,
+        trained: Sequence[EpochResult] = (),
     ) -> dict[str, float]:
-        """The best weights (read by the main rank, sent to the others) on the test set."""
+        """The best weights (read by the main rank, sent to the others) on the test set; and the
+        run's steady-state throughput with its interval, over the epochs `trained` after the
+        first (whose warm-up steps are left out, but whose caches and allocator are still
+        settling), or over its only epoch."""
         strategy, trainer, cfg = self.strategy, self.trainer, self.cfg
         best = self.checkpoints / checkpoint.BEST
         weights = checkpoint.load(best)["model"] if strategy.is_main else None
@@ -447,6 +466,14 @@ class Fit:
             "total_time_s": total_s,
             "time_to_target_s": progress.time_to_target_s,
         }
+        if trained:
+            steady = throughput(trained[1:] or trained)
+            final |= {
+                "throughput": steady.value,  # samples/s, steady state (accelexp.stats)
+                "throughput_low": steady.low,  # its 95 % interval
+                "throughput_high": steady.high,
+                "throughput_steps": steady.n,  # the timed steps it was measured over
+            }
         self.tracker.log_metrics(final, step=cfg.epochs)
         if strategy.is_main:
             log.info(
@@ -479,6 +506,17 @@ class Fit:
 def config_hash(resolved: dict) -> str:
     """Identifies the training a config describes (`resume=auto` looks runs up by it)."""
     text = json.dumps(checkpoint.training_config(resolved), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def config_id(resolved: dict) -> str:
+    """Identifies a configuration across its repeats: the training it describes less its seed
+    and repeat index, with the user's own tags (`mlflow.tags`: an A/A test's two sides, say).
+    The report groups a sweep's runs of one `config_id` into one row."""
+    training = checkpoint.training_config(resolved)
+    training = {k: v for k, v in training.items() if k not in ("seed", "repeat_index")}
+    identity = {"training": training, "tags": resolved.get("mlflow", {}).get("tags") or {}}
+    text = json.dumps(identity, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

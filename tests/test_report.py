@@ -182,6 +182,8 @@ def record(
     timed_steps: int | None = 20,
     params: dict[str, str] | None = None,
     device: str | None = None,
+    tags: dict[str, str] | None = None,
+    metrics: dict[str, float] | None = None,
 ) -> RunRecord:
     """A run as `query` reads it back; `timed_steps` None: logged before the engine logged it."""
     timed = {} if timed_steps is None else {"timed_steps": float(timed_steps)}
@@ -197,9 +199,10 @@ def record(
             "data": "d",
             "world_size": str(world_size),
         }
-        | ({"device": device} if device else {}),
+        | ({"device": device} if device else {})
+        | (tags or {}),
         params=params or {},
-        metrics={"best_val_acc": 0.9, "test_acc": 0.85, **timed},
+        metrics={"best_val_acc": 0.9, "test_acc": 0.85, **timed, **(metrics or {})},
         histories={"samples_per_s": list(enumerate(samples, start=1))},
     )
 
@@ -392,6 +395,108 @@ def test_a_malformed_baseline_names_the_allowed_keys(selector):
 
 
 # --- reading the store --------------------------------------------------------------------------
+# --- repeats, intervals and contention -----------------------------------------------------------
+T_975_2 = 4.302652729749464  # Student's t, 97.5 % quantile, 2 degrees of freedom
+
+
+def repeat(precision, index, samples_per_s, *, contended="", test_acc=0.85, sweep="parent-1"):
+    """Repeat `index` of `precision` in a sweep run with repeats=3, as the engine logs it."""
+    tags = {
+        "repeats": "3",
+        "repeat_index": str(index),
+        "config_id": f"cfg-{precision}",
+        "mlflow.parentRunId": sweep,
+    }
+    if contended:
+        tags |= {"noise": "contended", "noise_evidence": contended}
+    return record(
+        f"{precision} m-single r{index + 1}", "single", 1, precision, [samples_per_s] * 2,
+        start=10 * index + (precision == "amp"), tags=tags,
+        metrics={"throughput": samples_per_s, "test_acc": test_acc},
+    )  # fmt: skip
+
+
+def test_repeats_of_one_configuration_are_one_row_with_intervals_computed_by_hand():
+    fp32 = [100.0, 104.0, 98.0]
+    amp = [150.0, 160.0, 147.0]
+    accuracy = [0.80, 0.84, 0.82]
+    records = [
+        repeat(p, i, v, test_acc=a)
+        for i, (f, m, a) in enumerate(zip(fp32, amp, accuracy, strict=True))
+        for p, v in (("fp32", f), ("amp", m))
+    ]
+    rows = {row.precision: row for row in compare(records)}
+    assert sorted(rows) == ["amp", "fp32"] and rows["fp32"].repeats == 3
+    base = rows["fp32"]
+    assert base.run_name == "fp32 m-single" and base.label == "fp32 m-single ×3"
+    # mean 100.667, sd 3.05505 -> half-width t * sd / sqrt(3)
+    assert base.samples_per_s == pytest.approx(302 / 3)
+    half = T_975_2 * 3.0550504633038935 / 3**0.5
+    assert (base.samples_per_s_low, base.samples_per_s_high) == pytest.approx(
+        (302 / 3 - half, 302 / 3 + half)
+    )
+    assert base.test_acc == pytest.approx(0.82) and base.test_acc_sd == pytest.approx(0.02)
+    # AMP gain paired by repeat index: log ratios of 150/100, 160/104, 147/98
+    logs = [0.4054651081081644, 0.4307829160924542, 0.4054651081081644]
+    mean = sum(logs) / 3
+    sd = (sum((x - mean) ** 2 for x in logs) / 2) ** 0.5
+    gain = rows["amp"]
+    assert gain.amp_gain == pytest.approx(2.718281828459045**mean)
+    assert gain.amp_gain_low == pytest.approx(2.718281828459045 ** (mean - T_975_2 * sd / 3**0.5))
+    assert gain.amp_gain_high == pytest.approx(2.718281828459045 ** (mean + T_975_2 * sd / 3**0.5))
+    assert gain.speedup == gain.amp_gain  # the fp32 repeats are the baseline too
+    assert base.speedup == 1.0
+
+
+def test_a_contended_repeat_is_set_aside_with_its_evidence():
+    evidence = "other processes used 1.0 of 2 cores while it was timed"
+    records = [
+        repeat("fp32", 0, 100.0),
+        repeat("fp32", 1, 40.0, contended=evidence),
+        repeat("fp32", 2, 102.0),
+    ]
+    (row,) = compare(records)
+    assert row.repeats == 2 and row.samples_per_s == pytest.approx(101.0)
+    assert row.note == f"r2 set aside: contended ({evidence})"
+    assert row.noise == ""  # the row's figures are clean
+
+
+def test_a_contended_run_is_marked_and_left_out_of_every_ratio():
+    evidence = "the hypervisor stole 9% of the CPU time"
+    quiet = record("fp32", "single", 1, "fp32", [100, 100])
+    contended = {"noise": "contended", "noise_evidence": evidence}
+    noisy = record("amp", "single", 1, "amp", [300, 300], tags=contended)
+    rows = {row.precision: row for row in compare([quiet, noisy])}
+    amp = rows["amp"]
+    assert amp.samples_per_s == 300 and amp.amp_gain is None and amp.speedup is None
+    assert amp.label == "amp [contended]"
+    assert amp.note == f"contended ({evidence}); its speed is left out of every ratio"
+    # a contended baseline is no baseline: the other rows say so
+    noisy_base = record("fp32", "single", 1, "fp32", [100, 100], tags=contended)
+    clean = compare([noisy_base, record("amp2", "single", 1, "amp", [90, 90])])[1]
+    assert clean.speedup is None and clean.amp_gain is None
+    assert clean.note == (
+        "the like-for-like baseline, fp32, has no throughput: contended; "
+        "the like-for-like fp32 run, fp32, has no throughput: contended"
+    )
+
+
+@pytest.mark.parametrize(
+    ("gain", "cell"),
+    [
+        ((1.02, 0.97, 1.07), "no measurable difference (0.97–1.07)"),
+        ((1.82, 1.75, 1.90), "1.82× (1.75–1.90)"),
+    ],
+)
+def test_a_ratio_whose_interval_includes_one_reads_no_measurable_difference(gain, cell):
+    row = compare([record("fp32", "single", 1, "fp32", [100, 100])])[0]
+    row.amp_gain, row.amp_gain_low, row.amp_gain_high = gain
+    assert cell in to_markdown([row])
+    from accelexp.report.formats import RUNS_BRIEF
+
+    assert RUNS_BRIEF.text(row, "amp_gain") == cell
+
+
 def test_query_reads_sweeps_children_and_histories(store):
     uri = store["uri"]
     children = query.child_runs(uri, store["sweep"])

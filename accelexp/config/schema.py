@@ -333,6 +333,10 @@ class Config:
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     speed: SpeedConfig = field(default_factory=SpeedConfig)
     seed: int = 42
+    # each configuration of a sweep run this many times, round-robin (accelexp.sweeper)
+    repeats: int = 1
+    repeat_seed: str = "same"  # same: speed noise alone | vary: seed + repeat_index (accuracy)
+    repeat_index: int = 0  # which repeat this job is (set by the sweeper)
     epochs: int = 5
     max_steps_per_epoch: int | None = None
     target_accuracy: float | None = None

@@ -26,6 +26,7 @@ from accelexp.errors import ConfigError
 
 PRECISIONS = ("fp32", "amp", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
+REPEAT_SEEDS = ("same", "vary")
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
 OPTIMIZER_IMPLS = ("auto", "for_loop", "foreach", "fused")
 FLOAT32_MAX = 3.4028234663852886e38  # an lr or a scale beyond it overflows torch's float32 math
@@ -63,6 +64,9 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
     auto_or_bool = (lambda v: v == "auto" or isinstance(v, bool), "auto, true or false")
     return [
         ("seed", lambda v: 0 <= v <= SEED_MAX, f"an integer in [0, {SEED_MAX}]"),
+        ("repeats", *at_least_one),
+        ("repeat_seed", lambda v: v in REPEAT_SEEDS, " or ".join(REPEAT_SEEDS)),
+        ("repeat_index", lambda v: v >= 0, "an integer >= 0 (set by the sweeper)"),
         ("epochs", *at_least_one),
         ("max_steps_per_epoch", *optional_at_least_one),
         ("target_accuracy", lambda v: v is None or 0 < v <= 1, "null or a number in (0, 1]"),
@@ -240,6 +244,18 @@ def check_one_job_of_a_study(sweep: Mapping[str, str], overrides: Sequence[str])
         f"{' '.join(overrides)}`, or pick one value of each swept key for a single job "
         f"(e.g. {example})."
     )
+
+
+def check_repeats_of_one_job(overrides: Sequence[str]) -> None:
+    """`repeats=N` typed without `-m`: repeats are jobs of a sweep (`accelexp.sweeper`). A
+    study's own `repeats` (its experiment file's) is left alone: one job of it runs once."""
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key.lstrip("+") == "repeats" and value.strip() not in ("1", ""):
+            raise ConfigError(
+                f"repeats={value} runs each configuration {value} times as jobs of a sweep: "
+                f"add -m, e.g. `python run.py -m {' '.join(overrides)}`."
+            )
 
 
 def _example_fix(problem: str) -> str:

@@ -23,6 +23,7 @@ communication and compute on the GPU) are what `profile=true` and HTA add.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field, fields
 
@@ -140,12 +141,14 @@ class StepClock:
     def __init__(self, device: torch.device) -> None:
         self.seconds = [0.0] * len(PHASES)
         self.last = 0.0
+        self.step_ends: list[float] = []  # when each timed step's last phase (OTHER) ended
         self.gpu = _GpuMarks(device) if device.type == "cuda" else None
 
     def start(self) -> None:
         """The epoch's timed part starts now (after a device sync)."""
         self.seconds = [0.0] * len(PHASES)
         self.last = time.perf_counter()
+        self.step_ends = [self.last]
         if self.gpu is not None:
             self.gpu.begin(self.last)
 
@@ -154,8 +157,18 @@ class StepClock:
         now = time.perf_counter()
         self.seconds[phase] += now - self.last
         self.last = now
+        if phase == OTHER:
+            self.step_ends.append(now)
         if self.gpu is not None:
             self.gpu.mark(now)
+
+    def step_seconds(self) -> list[float]:
+        """The host time of each timed step since `start`, in order: a correlated series whose
+        batch means give the throughput's interval (`accelexp.stats.rate`). On CUDA a step's host
+        time is its queueing time, which the GPU paces once the queue is full: the batches' means
+        follow the GPU's step time, single steps jitter."""
+        ends = self.step_ends
+        return [b - a for a, b in itertools.pairwise(ends)]
 
     def stop(self, comm: CommTime | None = None) -> Breakdown:
         """The epoch's breakdown (after the loop's final device sync)."""

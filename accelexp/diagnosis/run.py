@@ -4,7 +4,9 @@
 `achieved_gflops`), and at the run's end, on the main rank, measures the device's matmul peak,
 draws the verdict (`verdict.diagnose`) from the last epoch, prints it, and records it in MLflow:
 tags `diagnosis`, `diagnosis_detail`, `diagnosis_next`, the artifact `diagnosis.md`, and the
-metrics `flop_utilisation` and `peak_gflops`.
+metrics `flop_utilisation` and `peak_gflops`. Each epoch's contention figures (`noise/*`) are
+judged at the end too (`accelexp.diagnosis.noise`): tags `noise` (quiet | contended) and
+`noise_evidence`, a section of `diagnosis.md`, and the run's last console line.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from omegaconf import DictConfig
 
 from accelexp.diagnosis import flops
 from accelexp.diagnosis.accounting import Breakdown
+from accelexp.diagnosis.noise import NoiseSample, NoiseVerdict, judge
 from accelexp.diagnosis.verdict import RunFacts, Verdict, diagnose, memory_advice, usable
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Strategy
@@ -50,27 +53,40 @@ class RunDiagnosis:
         self.samples_per_s_per_device = 0.0
         self.peak_mem_mb: float | None = None
         self.hta: dict[str, float] = {}
+        self.noise: list[NoiseSample] = []
 
     def profiled(self, hta_figures: dict[str, float]) -> None:
         """HTA's figures of the profiled epoch (GPU traces only), evidence for the verdict."""
         self.hta.update(hta_figures)
 
     def epoch(
-        self, breakdown: Breakdown, samples_per_s_per_device: float, peak_mem_mb: float
+        self,
+        breakdown: Breakdown,
+        samples_per_s_per_device: float,
+        peak_mem_mb: float,
+        noise: NoiseSample | None = None,
     ) -> dict[str, float | None]:
-        """This epoch's metrics; the last epoch is the one the verdict reads."""
+        """This epoch's metrics; the last epoch is the one the verdict reads, every epoch's
+        `noise` (what showed a shared machine while it was timed) the noise verdict."""
         self.last, self.peak_mem_mb = breakdown, peak_mem_mb
         self.samples_per_s_per_device = samples_per_s_per_device
         achieved = None
         if self.flops_per_sample:
             achieved = self.flops_per_sample * samples_per_s_per_device / 1e9
-        return {**breakdown.metrics(), "achieved_gflops": achieved}
+        if noise is not None:
+            self.noise.append(noise)
+        noise_metrics = noise.metrics() if noise is not None else {}
+        return {**breakdown.metrics(), "achieved_gflops": achieved, **noise_metrics}
+
+    def noise_verdict(self) -> NoiseVerdict:
+        return judge(self.noise, self.strategy.device.type, torch.get_num_threads())
 
     def finish(self, tracker: Tracker, run_name: str) -> Verdict | None:
         """On the main rank: the verdict, printed and recorded. None before any epoch."""
         if not self.strategy.is_main or self.last is None:
             return None
         device = self.strategy.device
+        noise = self.noise_verdict()
         utilisation = peak = None
         if self.flops_per_sample:
             peak = flops.peak_flops(device, self.precision.autocast)
@@ -89,13 +105,20 @@ class RunDiagnosis:
                 in_effect=self.in_effect,
                 convolutional=self.convolutional,
                 scale_out=self.strategy.scale_out_advice(),
+                contention=noise.evidence if noise.contended else [],
             )
         )
         log.info("%s", verdict.console())
         tracker.log_metrics({"flop_utilisation": utilisation, "peak_gflops": peak and peak / 1e9})
-        tracker.set_tags(verdict.tags())
-        tracker.log_text(verdict.markdown(run_name), "diagnosis.md")
+        tracker.set_tags({**verdict.tags(), **noise.tags()})
+        tracker.log_text(verdict.markdown(run_name) + noise.markdown(), "diagnosis.md")
         return verdict
+
+    def say_noise(self) -> None:
+        """The run's last console line, on the main rank: was the machine quiet while timed."""
+        if self.strategy.is_main and self.noise:
+            noise = self.noise_verdict()
+            log.log(logging.WARNING if noise.contended else logging.INFO, "%s", noise.console())
 
     def out_of_memory(self, error: BaseException, epoch: int) -> RunOutOfMemoryError:
         """The one message of a run that ran out of memory (`error`: the allocator's)."""

@@ -12,7 +12,10 @@
    arithmetic: on a GPU, it was busy for less than `GPU_BUSY` of the time, since it kept up with
    the host; on a CPU, the model's FLOPs ran at less than `FLOP_SHARE` of this CPU's measured
    matmul peak.
-5. **compute** — none of the above: the device's arithmetic is the limit.
+5. **contended** — none of the above, and other work shared the machine while the run was timed
+   (`accelexp.diagnosis.noise`): its speed is the neighbours' as much as its own, so what
+   bounds it cannot be told; never called compute-bound.
+6. **compute** — none of the above: the device's arithmetic is the limit.
 
 The advice is the run's own: with the run's config (`RunFacts.config`), an override already in
 effect (`precision=bf16` to a bf16 run) or one the config's validation refuses (CUDA graphs,
@@ -67,11 +70,17 @@ class RunFacts:
     convolutional: bool = True  # the model has 2-D convolutions (channels_last helps it)
     # the strategy's override for more devices, with why (Strategy.scale_out_advice)
     scale_out: tuple[str, str] = ("parallelism=ddp parallelism.nprocs=2", "more devices")
+    # the evidence that other work shared the machine while it was timed (NoiseVerdict), if any
+    contention: list[str] = field(default_factory=list)
+
+    @property
+    def contended(self) -> bool:
+        return bool(self.contention)
 
 
 @dataclass
 class Verdict:
-    bound: str  # input | communication | memory | overhead | compute
+    bound: str  # input | communication | memory | overhead | contended | compute
     detail: str  # one line of evidence
     evidence: list[str]
     advice: list[tuple[str, str]]  # (override, why)
@@ -264,6 +273,19 @@ def _diagnose(facts: RunFacts) -> Verdict:
                 bigger_batch,
                 ("speed.optimizer_impl=foreach", "one batched kernel per optimizer operation"),
                 ("speed.compile=default", "fused kernels, less dispatch per step"),
+            ],
+        )
+    if facts.contended:
+        return Verdict(
+            "contended",
+            "other work shared the machine while it was timed, so what bounds the run itself "
+            "cannot be told: " + "; ".join(facts.contention),
+            evidence + [f"contention: {line}" for line in facts.contention],
+            [
+                (
+                    "repeats=3",
+                    "with -m: repeats run round-robin, the report sets contended ones aside",
+                ),
             ],
         )
     detail = "the device's arithmetic is the limit"

@@ -34,7 +34,9 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+from accelexp import stats
 from accelexp.errors import AccelexpError
+from accelexp.stats import Estimate
 from accelexp.tracking.query import RunRecord
 
 DEFAULT_BASELINE = "world_size=1,precision=fp32"
@@ -54,7 +56,7 @@ MIN_STEADY_STEPS = 10  # timed steps a throughput needs, over the epochs it uses
 IGNORED_KEYS = frozenset(
     {"seed", "resume", "progress", "log_every_n_steps", "target_accuracy", "data.root",
      "data.download", "data.eval_batch_size", "data.num_test", "num_params", "train_samples",
-     "device"}
+     "device", "repeats", "repeat_seed", "repeat_index"}
 )  # fmt: skip
 IGNORED_PREFIXES = ("mlflow.", "max_batch.")
 # params that repeat a config tag (compared as the tag)
@@ -77,10 +79,12 @@ class BaselineError(AccelexpError):
 
 @dataclass
 class Row:
-    """One run compared with its baseline; None where a figure does not apply or is missing."""
+    """One configuration — one run, or the repeats of one (`repeats`) — compared with its
+    baseline; None where a figure does not apply or is missing. A figure with an interval has
+    its 95 % bounds in `<figure>_low` / `<figure>_high` (`accelexp.stats`)."""
 
     run_name: str
-    run_id: str
+    run_id: str  # the run's, or the first repeat's
     status: str
     parallelism: str
     world_size: int | None
@@ -89,22 +93,47 @@ class Row:
     model: str
     data: str
     device: str = ""  # the run's `device` tag, e.g. "cpu", "NVIDIA H200"; blank when absent
+    repeats: int = 1  # the runs behind the figures (FINISHED, measured, not contended)
     samples_per_s: float | None = None
+    samples_per_s_low: float | None = None
+    samples_per_s_high: float | None = None
     speedup: float | None = None
+    speedup_low: float | None = None
+    speedup_high: float | None = None
     scaling_efficiency: float | None = None
+    scaling_efficiency_low: float | None = None
+    scaling_efficiency_high: float | None = None
     amp_gain: float | None = None
+    amp_gain_low: float | None = None
+    amp_gain_high: float | None = None
     best_val_acc: float | None = None
-    test_acc: float | None = None
-    time_to_target_s: float | None = None
+    test_acc: float | None = None  # the mean over the repeats
+    test_acc_sd: float | None = None  # its standard deviation over the repeats (their seeds)
+    time_to_target_s: float | None = None  # MLPerf's rule over repeats (stats.olympic_mean)
     compile_s: float | None = None
     peak_mem_mb: float | None = None
     baseline_run: str | None = None
-    note: str = ""  # why a figure is blank: too short to measure, no like-for-like run
+    noise: str = ""  # "contended" when other work shared the machine (tag `noise`)
+    note: str = ""  # why a figure is blank: too short to measure, no like-for-like run, contended
 
     @property
     def label(self) -> str:
-        """The run's name, with its status when it did not finish."""
-        return self.run_name if self.status == "FINISHED" else f"{self.run_name} ({self.status})"
+        """The run's name, with its status when it did not finish, and how many repeats."""
+        name = self.run_name if self.status == "FINISHED" else f"{self.run_name} ({self.status})"
+        name = f"{name} ×{self.repeats}" if self.repeats > 1 else name
+        return f"{name} [contended]" if self.noise == "contended" else name
+
+    def estimate(self, figure: str) -> Estimate | None:
+        value = getattr(self, figure)
+        if value is None:
+            return None
+        low, high = getattr(self, f"{figure}_low", None), getattr(self, f"{figure}_high", None)
+        return Estimate(value, low, high, self.repeats)
+
+    def set(self, figure: str, estimate: Estimate) -> None:
+        setattr(self, figure, estimate.value)
+        setattr(self, f"{figure}_low", estimate.low)
+        setattr(self, f"{figure}_high", estimate.high)
 
 
 COLUMNS = tuple(f.name for f in fields(Row))
@@ -122,6 +151,17 @@ def matches(record: RunRecord, selector: Mapping[str, str]) -> bool:
 
 def measure(record: RunRecord) -> tuple[float | None, str]:
     """(steady-state samples/s, "") or (None, why there is none); see the module doc."""
+    estimate, why = measure_estimate(record)
+    return (estimate.value if estimate is not None else None), why
+
+
+def measure_estimate(record: RunRecord) -> tuple[Estimate | None, str]:
+    """(steady-state samples/s with its 95 % interval, "") or (None, why there is none).
+
+    A run that logged `throughput` (the engine's figure over the timed steps of its epochs after
+    the first, with the batch-means interval of their step times) is read as that; an older one
+    by the rule of its time (the median of those epochs' `samples_per_s`), without an interval.
+    """
     values = [value for _, value in record.history("samples_per_s")]
     if not values:
         return None, "no samples_per_s logged"
@@ -140,7 +180,12 @@ def measure(record: RunRecord) -> tuple[float | None, str]:
             f"too short to measure: {steady} steady steps, need ≥ {MIN_STEADY_STEPS} "
             f"(raise max_steps_per_epoch or epochs)"
         )
-    return statistics.median(used), ""
+    metrics = record.metrics
+    if (value := metrics.get("throughput")) is not None:
+        low, high = metrics.get("throughput_low"), metrics.get("throughput_high")
+        steps = int(metrics.get("throughput_steps") or steady or 1)
+        return Estimate(value, low, high, steps, "batch means" if low is not None else ""), ""
+    return Estimate(statistics.median(used)), ""
 
 
 def throughput(record: RunRecord) -> float | None:
@@ -240,32 +285,141 @@ def _sort_key(row: Row) -> tuple:
     )
 
 
+def group_key(record: RunRecord) -> str:
+    """The runs that are repeats of one configuration share this: the sweep they ran in and
+    their `config_id` (accelexp.train), where they were run with `repeats` > 1; any other run is
+    a configuration of its own."""
+    try:
+        repeats = int(record.tags.get("repeats") or 1)
+    except ValueError:
+        repeats = 1
+    config = record.tags.get("config_id")
+    if repeats <= 1 or not config:
+        return record.run_id
+    return f"{record.tags.get('mlflow.parentRunId', '')}/{config}"
+
+
+def contention(record: RunRecord) -> str:
+    """Why a run's speed is set aside ("" when it is not): the evidence of its `noise` tag."""
+    if record.tags.get("noise") != "contended":
+        return ""
+    return record.tags.get("noise_evidence") or "other work shared the machine"
+
+
+def repeat_label(record: RunRecord) -> str:
+    index = record.tags.get("repeat_index")
+    return f"r{int(index) + 1}" if index not in (None, "") and index.isdigit() else record.name
+
+
+@dataclass
+class Group:
+    """The runs of one configuration in the selection (its repeats), and those its figures come
+    from: FINISHED, measured and not contended (`usable`), else the FINISHED ones measured."""
+
+    key: str
+    records: list[RunRecord]
+    measured: dict[str, tuple[Estimate | None, str]]
+
+    @property
+    def finished(self) -> list[RunRecord]:
+        return [r for r in self.records if r.status == "FINISHED"]
+
+    @property
+    def usable(self) -> list[RunRecord]:
+        return [r for r in self.finished if self.measured[r.run_id][0] and not contention(r)]
+
+    @property
+    def shown(self) -> list[RunRecord]:
+        """The runs its speed is shown from: the usable ones, else the measured contended ones."""
+        return self.usable or [r for r in self.finished if self.measured[r.run_id][0]]
+
+    @property
+    def first(self) -> RunRecord:
+        return (self.usable or self.finished or self.records)[0]
+
+    @property
+    def start_time(self) -> int:
+        return max(r.start_time for r in self.records)
+
+    @property
+    def contended(self) -> bool:
+        return not self.usable and any(contention(r) for r in self.finished)
+
+    def samples(self) -> list[Estimate]:
+        return [self.measured[r.run_id][0] for r in self.shown]  # type: ignore[misc]
+
+    def throughput(self) -> Estimate | None:
+        """One run's figure (with its own interval), or the repeats' mean with a t interval."""
+        samples = self.samples()
+        if not samples:
+            return None
+        return samples[0] if len(samples) == 1 else stats.across_repeats([e.value for e in samples])
+
+    def by_repeat(self) -> dict[str, Estimate]:
+        """The usable runs' throughputs by repeat index (the key ratios pair them by)."""
+        runs = self.usable
+        return {r.tags.get("repeat_index", r.run_id): self.measured[r.run_id][0] for r in runs}  # type: ignore[misc]
+
+    @property
+    def sweep(self) -> str | None:
+        return self.first.tags.get("mlflow.parentRunId")
+
+    def name(self) -> str:
+        name = self.first.name
+        return re.sub(r" r\d+$", "", name) if len(self.records) > 1 else name
+
+
+def ratio(row: Group, base: Group) -> Estimate:
+    """`row`'s throughput over `base`'s with a 95 % interval: paired by repeat index where both
+    ran their repeats interleaved in one sweep (`accelexp.sweeper`), else from independent
+    repeats (bootstrap) or, for single runs, from each run's own interval."""
+    if row is base:
+        return Estimate(1.0)
+    mine, theirs = row.by_repeat(), base.by_repeat()
+    common = sorted(mine.keys() & theirs.keys())
+    if row.sweep and row.sweep == base.sweep and len(common) >= 2:
+        return stats.ratio([mine[i] for i in common], [theirs[i] for i in common], paired=True)
+    return stats.ratio(row.samples(), base.samples(), paired=False)
+
+
+def group(records: Sequence[RunRecord]) -> list[Group]:
+    """The selection's runs by configuration (`group_key`), in the order they first appear."""
+    measured = {r.run_id: measure_estimate(r) for r in records if r.status == "FINISHED"}
+    groups: dict[str, list[RunRecord]] = {}
+    for record in records:
+        groups.setdefault(group_key(record), []).append(record)
+    return [Group(key, runs, measured) for key, runs in groups.items()]
+
+
 def compare(
     records: Sequence[RunRecord],
     baseline: str | Mapping[str, str] = DEFAULT_BASELINE,
     *,
     strict: bool = True,
 ) -> list[Row]:
-    """One row per run, sorted by parallelism, world size, precision and speed switches.
+    """One row per configuration (a run, or its repeats), sorted by parallelism, world size,
+    precision and speed switches.
 
-    The baseline is a finished run matching every key of `baseline` and like for like with the
-    row (module doc). With `strict`, no finished run matching `baseline` is a `BaselineError`
-    listing the configurations that exist (a selector that names nothing); otherwise speedup and
-    efficiency stay blank. Every figure left blank for want of a measurement or of a like-for-like
-    run has its reason in `Row.note`.
+    The baseline is a measured, uncontended configuration matching every key of `baseline` and
+    like for like with the row (module doc). With `strict`, no finished run matching `baseline`
+    is a `BaselineError` listing the configurations that exist (a selector that names nothing);
+    otherwise speedup and efficiency stay blank. Every figure left blank for want of a
+    measurement or of a like-for-like run has its reason in `Row.note`; so has every run set
+    aside (contended, or not finished, among repeats).
     """
     wanted = parse_baseline(baseline)
-    measured = {r.run_id: measure(r) for r in records if r.status == "FINISHED"}
-    finished = [r for r in records if r.status == "FINISHED"]
-    candidates = [r for r in finished if matches(r, wanted)]
-    if strict and not candidates:
+    groups = group(records)
+    if strict and not any(r.status == "FINISHED" and matches(r, wanted) for r in records):
         raise BaselineError(_no_baseline_message(records, wanted))
-    comparison = _Comparison(wanted, candidates, finished, measured)
+    finished = [g for g in groups if g.finished]
+    candidates = [g for g in finished if matches(g.first, wanted)]
+    comparison = _Comparison(wanted, candidates, finished)
 
     rows = []
-    for record in records:
+    for grouped in groups:
+        record = grouped.first
         row = Row(
-            run_name=record.name,
+            run_name=grouped.name(),
             run_id=record.run_id,
             status=record.status,
             parallelism=setting(record, "parallelism") or "",
@@ -276,21 +430,20 @@ def compare(
             data=setting(record, "data") or "",
             device=record.tags.get("device", ""),
         )
-        if record.status == "FINISHED":
-            comparison.fill(row, record)
+        if grouped.finished:
+            comparison.fill(row, grouped)
         rows.append(row)
     return sorted(rows, key=_sort_key)
 
 
 @dataclass
 class _Comparison:
-    """What every row is compared against: the baseline candidates, the finished runs (for an
-    fp32 run) and each finished run's (throughput, why none)."""
+    """What every row is compared against: the baseline candidates and the finished
+    configurations (for an fp32 one)."""
 
     wanted: dict[str, str]
-    candidates: list[RunRecord]
-    finished: list[RunRecord]
-    measured: dict[str, tuple[float | None, str]]
+    candidates: list[Group]
+    finished: list[Group]
 
     @property
     def speedup_varies(self) -> re.Pattern[str]:
@@ -298,77 +451,112 @@ class _Comparison:
         named = "|".join(re.escape(key) for key in self.wanted)
         return re.compile(rf"{SPEEDUP_VARIES.pattern}|({named})(\..+)?")
 
-    def fill(self, row: Row, record: RunRecord) -> None:
-        samples, why = self.measured[record.run_id]
-        row.best_val_acc = record.metrics.get("best_val_acc")
-        row.test_acc = record.metrics.get("test_acc")
-        row.time_to_target_s = record.metrics.get("time_to_target_s")
-        row.compile_s = record.metrics.get("compile_s")
-        row.peak_mem_mb = peak_memory(record)
+    def fill(self, row: Row, grouped: Group) -> None:
+        finished, shown = grouped.finished, grouped.shown
+        row.status = "FINISHED"
+        accuracy = [r.metrics["test_acc"] for r in shown or finished if "test_acc" in r.metrics]
+        if accuracy:
+            row.test_acc, row.test_acc_sd = stats.mean_sd(accuracy)
+        best = [r.metrics["best_val_acc"] for r in shown or finished if "best_val_acc" in r.metrics]
+        row.best_val_acc = statistics.fmean(best) if best else None
+        targets = [r.metrics["time_to_target_s"] for r in shown if "time_to_target_s" in r.metrics]
+        row.time_to_target_s = stats.olympic_mean(targets) if targets else None
+        compiles = [r.metrics["compile_s"] for r in shown if "compile_s" in r.metrics]
+        row.compile_s = statistics.median(compiles) if compiles else None
+        peaks = [p for r in shown or finished if (p := peak_memory(r)) is not None]
+        row.peak_mem_mb = max(peaks) if peaks else None
+        notes = self.set_aside(grouped)
+        samples = grouped.throughput()
         if samples is None:
-            row.note = why
+            row.note = "; ".join([*notes, self_why(grouped)])
             return
-        row.samples_per_s = samples
-        notes = []
-        mine = comparable_settings(record)
+        row.set("samples_per_s", samples)
+        row.repeats = len(shown)
+        if grouped.contended:
+            row.noise = "contended"
+            row.note = "; ".join([*notes, "its speed is left out of every ratio"])
+            return
+        mine = comparable_settings(grouped.first)
         selector = ",".join(f"{k}={v}" for k, v in self.wanted.items())
         base, note = self.like_for_like(
-            record, mine, self.candidates, self.speedup_varies, "baseline",
+            grouped, mine, self.candidates, self.speedup_varies, "baseline",
             f"no finished run matches the baseline {selector}",
         )  # fmt: skip
         if base is not None:
-            row.baseline_run = base.name
-            row.speedup = samples / self.measured[base.run_id][0]
-            base_world = world_size(base)
+            row.baseline_run = base.name()
+            speedup = ratio(grouped, base)
+            row.set("speedup", speedup)
+            base_world = world_size(base.first)
             if row.world_size and base_world:
-                row.scaling_efficiency = row.speedup / (row.world_size / base_world)
+                efficiency = stats.efficiency(speedup, row.world_size / base_world)
+                row.set("scaling_efficiency", efficiency)
         else:
             notes.append(note)
         if row.precision != "fp32":
-            fp32_runs = [r for r in self.finished if setting(r, "precision") == "fp32"]
+            fp32_runs = [g for g in self.finished if setting(g.first, "precision") == "fp32"]
             fp32, note = self.like_for_like(
-                record, mine, fp32_runs, AMP_VARIES, "fp32 run",
+                grouped, mine, fp32_runs, AMP_VARIES, "fp32 run",
                 "no finished fp32 run to take an AMP gain over",
             )  # fmt: skip
             if fp32 is not None:
-                row.amp_gain = samples / self.measured[fp32.run_id][0]
+                row.set("amp_gain", ratio(grouped, fp32))
             else:
                 notes.append(note)
         row.note = "; ".join(notes)
 
+    @staticmethod
+    def set_aside(grouped: Group) -> list[str]:
+        """Why some of a configuration's runs are not behind its figures."""
+        if len(grouped.records) == 1:
+            why = contention(grouped.records[0])
+            return [f"contended ({why})"] if why else []
+        notes = []
+        for record in grouped.records:
+            if record.status != "FINISHED":
+                notes.append(f"{repeat_label(record)} {record.status}")
+            elif why := contention(record):
+                notes.append(f"{repeat_label(record)} set aside: contended ({why})")
+        return notes
+
     def like_for_like(
         self,
-        record: RunRecord,
+        grouped: Group,
         mine: dict[str, str],
-        others: list[RunRecord],
+        others: list[Group],
         varies: re.Pattern[str],
         what: str,
         none: str,
-    ) -> tuple[RunRecord | None, str]:
-        """The run of `others` to compare with (same parallelism first, then the newest), or
-        (None, why not: `none` when there are no others, else none alike or none measured)."""
+    ) -> tuple[Group | None, str]:
+        """The configuration of `others` to compare with (same parallelism first, then the
+        newest), or (None, why not: `none` when there are no others, else none alike)."""
         if not others:
             return None, none
-        diffs = {r.run_id: differences(mine, comparable_settings(r), varies) for r in others}
-        alike = [r for r in others if not diffs[r.run_id]]
-        usable = [r for r in alike if self.measured[r.run_id][0] is not None]
-        parallelism = setting(record, "parallelism")
+        diffs = {g.key: differences(mine, comparable_settings(g.first), varies) for g in others}
+        alike = [g for g in others if not diffs[g.key]]
+        usable = [g for g in alike if g.usable]
+        parallelism = setting(grouped.first, "parallelism")
         if usable:
-            return max(usable, key=lambda r: (setting(r, "parallelism") == parallelism,
-                                              r.start_time)), ""  # fmt: skip
+            return max(usable, key=lambda g: (setting(g.first, "parallelism") == parallelism,
+                                              g.start_time)), ""  # fmt: skip
         if alike:
-            other = max(alike, key=lambda r: r.start_time)
-            why = self.measured[other.run_id][1]
-            return None, f"the like-for-like {what}, {other.name}, has no throughput: {why}"
+            other = max(alike, key=lambda g: g.start_time)
+            why = "contended" if other.contended else self_why(other)
+            return None, f"the like-for-like {what}, {other.name()}, has no throughput: {why}"
         nearest = min(
             others,
-            key=lambda r: (len(diffs[r.run_id]), setting(r, "parallelism") != parallelism,
-                           -r.start_time),
+            key=lambda g: (len(diffs[g.key]), setting(g.first, "parallelism") != parallelism,
+                           -g.start_time),
         )  # fmt: skip
         return None, (
-            f"no like-for-like {what}: nearest ({nearest.name}) differs in "
-            f"{differ_text(diffs[nearest.run_id])}"
+            f"no like-for-like {what}: nearest ({nearest.name()}) differs in "
+            f"{differ_text(diffs[nearest.key])}"
         )
+
+
+def self_why(grouped: Group) -> str:
+    """Why a finished configuration has no throughput (its newest finished run's reason)."""
+    newest = max(grouped.finished, key=lambda r: r.start_time)
+    return grouped.measured[newest.run_id][1]
 
 
 def _no_baseline_message(records: Sequence[RunRecord], wanted: dict[str, str]) -> str:

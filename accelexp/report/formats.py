@@ -20,11 +20,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from accelexp import stats
 from accelexp.report.compare import Row
 from accelexp.report.diagnose import DiagnosisRow, footnote
 from accelexp.report.ladder import LadderRow
+from accelexp.stats import Estimate
 
 BRIEF_WIDTH = 100  # the default rich table's width at most
+RATIOS = frozenset({"speedup", "amp_gain"})  # "no measurable difference" when 1.0 is inside
 LADDER_NAMES = ("ladder.csv", "ladder.md")
 DIAGNOSIS_NAMES = ("diagnosis.csv", "diagnosis.md")
 
@@ -75,6 +78,22 @@ class Layout:
         if value is None:
             return self.missing
         return self.display.get(key, "{}").format(value)
+
+    def text(self, row: Any, key: str) -> str:
+        """A row's cell: a figure with its 95 % interval, `1.82× (1.75–1.90)`, where the row
+        has one (`<key>_low`, `<key>_high`); a ratio whose interval includes 1.0 reads "no
+        measurable difference" with its interval, never as a gain or a loss."""
+        value = getattr(row, key)
+        low, high = getattr(row, f"{key}_low", None), getattr(row, f"{key}_high", None)
+        if value is None or low is None or high is None:
+            return self.cell(key, value)
+        shape = self.display.get(key, "{}")
+        number, suffix = (shape[:-1], shape[-1]) if shape.endswith("×") else (shape, "")
+        estimate = Estimate(value, low, high)
+        if key in RATIOS and stats.verdict(estimate) == stats.NO_DIFFERENCE:
+            interval = stats.format_estimate(estimate, number).partition(" ")[2]
+            return f"{stats.NO_DIFFERENCE} {interval}"
+        return stats.format_estimate(estimate, number, suffix)
 
 
 RUNS_DISPLAY = {
@@ -250,7 +269,7 @@ def to_markdown(rows: Sequence[Any], layout: Layout = RUNS) -> str:
     for row in rows:
         cells = []
         for key in headers:
-            text = layout.cell(key, getattr(row, key)).replace("|", "\\|")
+            text = layout.text(row, key).replace("|", "\\|")
             if key == "status" and row.status != "FINISHED":
                 text = f"**{text}**"
             cells.append(text)
@@ -292,7 +311,7 @@ def render_table(
         )
     for row in rows:
         style = "red" if row.status == "FAILED" else ("yellow" if row.status != "FINISHED" else "")
-        cells = (layout.cell(key, getattr(row, key)) for key in headers)
+        cells = (layout.text(row, key) for key in headers)
         table.add_row(*cells, style=style or None)
     return table
 

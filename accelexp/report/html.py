@@ -50,7 +50,7 @@ def _cell(tag: str, text: str, numeric: bool) -> str:
 
 
 def _table(rows: Sequence[Any], layout: Layout) -> str:
-    """The rows as an HTML table: the readable columns, cells as `layout.cell` writes them;
+    """The rows as an HTML table: the readable columns, cells as `layout.text` writes them;
     failed runs in red, runs that did not finish in amber. Wider than the page, it scrolls."""
     headers = layout.shown(rows)
     head = "".join(_cell("th", title, key in layout.numeric) for key, title in headers.items())
@@ -58,8 +58,7 @@ def _table(rows: Sequence[Any], layout: Layout) -> str:
     for row in rows:
         css = {"FINISHED": "", "FAILED": ' class="failed"'}.get(row.status, ' class="unfinished"')
         cells = "".join(
-            _cell("td", layout.cell(key, getattr(row, key)), key in layout.numeric)
-            for key in headers
+            _cell("td", layout.text(row, key), key in layout.numeric) for key in headers
         )
         body.append(f"<tr{css}>{cells}</tr>")
     table = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"

@@ -20,14 +20,19 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+from accelexp import stats
 from accelexp.report.compare import (
+    Group,
     comparable_settings,
+    contention,
     differ_text,
     differences,
-    measure,
+    group,
     peak_memory,
+    ratio,
     setting,
 )
+from accelexp.stats import Estimate
 from accelexp.tracking.query import RunRecord
 
 RUNG_NAMES = ("fp32", "tf32", "channels_last", "amp", "bf16", "compile")  # conf/rung, in order
@@ -48,10 +53,17 @@ class LadderRow:
     speed: str | None = None
     model: str | None = None
     data: str | None = None
+    repeats: int = 1  # the runs behind the figures (the rung's repeats, accelexp.sweeper)
     samples_per_s: float | None = None
+    samples_per_s_low: float | None = None  # 95 % interval (accelexp.stats)
+    samples_per_s_high: float | None = None
     gain_vs_previous: float | None = None
+    gain_vs_previous_low: float | None = None
+    gain_vs_previous_high: float | None = None
     previous_rung: str | None = None
     gain_vs_fp32: float | None = None
+    gain_vs_fp32_low: float | None = None
+    gain_vs_fp32_high: float | None = None
     compile_s: float | None = None
     best_val_acc: float | None = None
     test_acc: float | None = None
@@ -68,7 +80,12 @@ class LadderRow:
         """The gain over the previous rung, naming that rung when it is not the one just before."""
         if self.gain_vs_previous is None:
             return None
-        text = f"{self.gain_vs_previous:.2f}×"
+        gain = Estimate(
+            self.gain_vs_previous, self.gain_vs_previous_low, self.gain_vs_previous_high
+        )
+        text = stats.format_estimate(gain, "{:.2f}", "×")
+        if stats.verdict(gain) == stats.NO_DIFFERENCE:
+            text = f"{stats.NO_DIFFERENCE} {text.partition(' ')[2]}"
         just_before = (
             RUNG_NAMES[self.rung_index - 1] if 0 < self.rung_index <= len(RUNG_NAMES) else None
         )
@@ -94,9 +111,10 @@ def _rung_name(index: int, runs_by_index: dict[int, list[RunRecord]]) -> str:
     return RUNG_NAMES[index] if 0 <= index < len(RUNG_NAMES) else f"rung {index}"
 
 
-def _chosen(runs: list[RunRecord]) -> RunRecord:
-    """The newest FINISHED run of a rung, else its newest run."""
-    return max(runs, key=lambda r: (r.status == "FINISHED", r.start_time))
+def _chosen(runs: list[RunRecord]) -> tuple[RunRecord, Group]:
+    """The newest FINISHED run of a rung, else its newest run, and its repeats."""
+    newest = max(runs, key=lambda r: (r.status == "FINISHED", r.start_time))
+    return newest, next(g for g in group(runs) if newest in g.records)
 
 
 def ladder(records: Sequence[RunRecord]) -> list[LadderRow]:
@@ -110,20 +128,21 @@ def ladder(records: Sequence[RunRecord]) -> list[LadderRow]:
         return []
 
     rows: list[LadderRow] = []
-    previous: tuple[LadderRow, dict[str, str]] | None = None  # the last rung with a throughput
-    fp32: tuple[LadderRow, dict[str, str]] | None = None  # rung 0, when measured
+    previous: tuple[LadderRow, Group] | None = None  # the last rung with a throughput
+    fp32: tuple[LadderRow, Group] | None = None  # rung 0, when measured
     for index in range(max(runs_by_index) + 1):
         name = _rung_name(index, runs_by_index)
         runs = runs_by_index.get(index)
         if not runs:
             rows.append(LadderRow(rung_index=index, rung=name, status=MISSING))
             continue
-        record = _chosen(runs)
+        record, repeats = _chosen(runs)
+        record = repeats.first if repeats.usable else record
         row = LadderRow(
             rung_index=index,
             rung=name,
             status=record.status,
-            run_name=record.name,
+            run_name=repeats.name(),
             run_id=record.run_id,
             precision=setting(record, "precision"),
             speed=setting(record, "speed"),
@@ -133,38 +152,51 @@ def ladder(records: Sequence[RunRecord]) -> list[LadderRow]:
         rows.append(row)
         if record.status != "FINISHED":
             continue
-        samples, row.note = measure(record)
+        row.note = repeats.measured[record.run_id][1]
         row.compile_s = record.metrics.get("compile_s")
         row.best_val_acc = record.metrics.get("best_val_acc")
         row.test_acc = record.metrics.get("test_acc")
         row.peak_mem_mb = peak_memory(record)
+        samples = repeats.throughput() if repeats.usable else None
         if samples is None:
+            aside = [contention(r) for r in repeats.finished if contention(r)]
+            row.note = row.note or (f"contended ({aside[0]})" if aside else "")
             continue
-        row.samples_per_s = samples
-        mine = comparable_settings(record)
+        row.repeats = len(repeats.usable)
+        row.samples_per_s, row.samples_per_s_low, row.samples_per_s_high = (
+            samples.value, samples.low, samples.high
+        )  # fmt: skip
         notes = []
         if previous is not None:
-            gain, note = _gain(samples, mine, *previous)
-            row.gain_vs_previous, row.previous_rung = gain, previous[0].rung
+            gain, note = _gain(repeats, *previous)
+            row.previous_rung = previous[0].rung
+            if gain is not None:
+                row.gain_vs_previous, row.gain_vs_previous_low, row.gain_vs_previous_high = (
+                    gain.value, gain.low, gain.high
+                )  # fmt: skip
             notes.append(note)
         if index == 0:
-            fp32 = (row, mine)
+            fp32 = (row, repeats)
         if fp32 is not None:
-            row.gain_vs_fp32, note = _gain(samples, mine, *fp32)
+            gain, note = _gain(repeats, *fp32)
+            if gain is not None:
+                row.gain_vs_fp32, row.gain_vs_fp32_low, row.gain_vs_fp32_high = (
+                    gain.value, gain.low, gain.high
+                )  # fmt: skip
             notes.append(note if note not in notes else "")
         row.note = "; ".join(filter(None, notes))
-        previous = (row, mine)
+        previous = (row, repeats)
     return rows
 
 
-def _gain(
-    samples: float, mine: dict[str, str], other: LadderRow, theirs: dict[str, str]
-) -> tuple[float | None, str]:
-    """(samples / other's throughput, "") when the two runs are like for like, else (None, why)."""
-    diffs = differences(mine, theirs, LADDER_VARIES)
+def _gain(mine: Group, other: LadderRow, theirs: Group) -> tuple[Estimate | None, str]:
+    """(mine's throughput over theirs, with its interval, "") when the two rungs are like for
+    like (paired by repeat index where they ran interleaved), else (None, why)."""
+    diffs = differences(comparable_settings(mine.first), comparable_settings(theirs.first),
+                        LADDER_VARIES)  # fmt: skip
     if diffs:
         return None, f"not like for like with rung {other.rung}: differs in {differ_text(diffs)}"
-    return samples / other.samples_per_s, ""
+    return ratio(mine, theirs), ""
 
 
 def ladder_subject(rows: Sequence[LadderRow]) -> str:

@@ -190,11 +190,13 @@ def _workers_axis(axes: Any, series: Mapping[str, list[tuple[int, float]]]) -> N
 
 
 def _draw_series(
-    axes: Any, series: Mapping[str, list[tuple[int, float]]], rows: Sequence[Row]
+    axes: Any, series: Mapping[str, list[tuple[int, float]]], rows: Sequence[Row], metric: str
 ) -> dict[str, Any]:
     """Each series as a line in its own colour and marker (the same in every plot of `rows`),
-    nudged sideways by `_dodge`; label -> its Line2D."""
-    styles = series_styles(_series_label(row, _row_extras(rows)) for row in rows)
+    nudged sideways by `_dodge`, with each point's 95 % interval as an error bar where it is the
+    one row of its series at that worker count; label -> its Line2D."""
+    extra = _row_extras(rows)
+    styles = series_styles(_series_label(row, extra) for row in rows)
     offsets = _dodge(series)
     drawn = {}
     for label, points in series.items():
@@ -202,7 +204,25 @@ def _draw_series(
         x = [w + offsets[label] for w, _ in points]
         y = [value for _, value in points]
         (drawn[label],) = axes.plot(x, y, color=colour, marker=marker, markersize=7, label=label)
+    at: dict[tuple[str, int], list[Row]] = {}
+    for row in rows:
+        if getattr(row, metric) is not None and row.world_size is not None:
+            at.setdefault((_series_label(row, extra), row.world_size), []).append(row)
+    for (label, workers), (row, *others) in at.items():
+        low, high = _bounds(row, metric)
+        if others or low is None or high is None:
+            continue
+        value = getattr(row, metric)
+        axes.errorbar(
+            workers + offsets[label], value, yerr=[[value - low], [high - value]],
+            color=styles[label][0], capsize=4, linewidth=1.2,
+        )  # fmt: skip
     return drawn
+
+
+def _bounds(row: Any, metric: str) -> tuple[float | None, float | None]:
+    """A figure's 95 % interval (`<metric>_low`, `<metric>_high`), or (None, None)."""
+    return getattr(row, f"{metric}_low", None), getattr(row, f"{metric}_high", None)
 
 
 def throughput_figure(rows: Sequence[Row]) -> Any | None:
@@ -212,7 +232,7 @@ def throughput_figure(rows: Sequence[Row]) -> Any | None:
     if not series:
         return None
     figure, axes = _figure()
-    drawn = _draw_series(axes, series, rows)
+    drawn = _draw_series(axes, series, rows, "samples_per_s")
     ideals = []
     for label, points in series.items():
         if len(points) < 2:
@@ -232,7 +252,7 @@ def throughput_figure(rows: Sequence[Row]) -> Any | None:
             f"{axes.get_xlabel()}\nnot plotted: {unmeasured} {runs} without a throughput "
             "(see the table's notes)"
         )
-    axes.set_ylabel("samples/s (steady-state median)")
+    axes.set_ylabel("samples/s (steady state; bars: 95 % interval)")
     axes.set_ylim(bottom=0)
     axes.set_title(f"Throughput vs workers\n{_rows_subject(rows)}")
     entries = [(line, label) for label, line in drawn.items()]
@@ -248,7 +268,7 @@ def efficiency_figure(rows: Sequence[Row]) -> Any | None:
     if not series:
         return None
     figure, axes = _figure()
-    _draw_series(axes, series, rows)
+    _draw_series(axes, series, rows, "scaling_efficiency")
     axes.axhline(1.0, label="ideal: 1.0 (linear scaling)", **REFERENCE)
     _workers_axis(axes, series)
     axes.set_ylabel("scaling efficiency (speedup ÷ workers ratio)")
@@ -268,10 +288,10 @@ def amp_gain_figure(rows: Sequence[Row]) -> Any | None:
     if not gained:
         return None
     extra = _row_extras(gained)
-    gains: dict[tuple[str, ...], dict[str, list[float]]] = {}
+    gains: dict[tuple[str, ...], dict[str, list[Row]]] = {}
     for row in gained:
         group = (row.parallelism, f"×{row.world_size}", *(getattr(row, k) for k in extra))
-        gains.setdefault(group, {}).setdefault(row.precision, []).append(row.amp_gain)
+        gains.setdefault(group, {}).setdefault(row.precision, []).append(row)
     known = [p for p in PRECISION_ORDER if any(p in g for g in gains.values())]
     precisions = known + sorted({p for g in gains.values() for p in g} - set(known))
 
@@ -280,8 +300,20 @@ def amp_gain_figure(rows: Sequence[Row]) -> Any | None:
     top = 1.0
     for j, precision in enumerate(precisions):
         places = [i for i, group in enumerate(gains.values()) if precision in group]
-        heights = [
-            statistics.median(group[precision]) for group in gains.values() if precision in group
+        bar_rows = [group[precision] for group in gains.values() if precision in group]
+        heights = [statistics.median(row.amp_gain for row in same) for same in bar_rows]
+        # a bar of one row carries its 95 % interval
+        bounds = [_bounds(same[0], "amp_gain") if len(same) == 1 else (None, None)
+                  for same in bar_rows]  # fmt: skip
+        errors = [
+            [
+                h - low if low is not None else 0.0
+                for h, (low, _) in zip(heights, bounds, strict=True)
+            ],
+            [
+                high - h if high is not None else 0.0
+                for h, (_, high) in zip(heights, bounds, strict=True)
+            ],
         ]
         offset = (j - (len(precisions) - 1) / 2) * width
         bars = axes.bar(
@@ -292,9 +324,11 @@ def amp_gain_figure(rows: Sequence[Row]) -> Any | None:
             hatch=HATCHES[j % len(HATCHES)],
             edgecolor="white",
             label=precision,
+            yerr=errors,
+            capsize=4,
         )
         axes.bar_label(bars, [f"{h:.2f}×" for h in heights], padding=2, fontsize="small")
-        top = max(top, *heights)
+        top = max(top, *(h + e for h, e in zip(heights, errors[1], strict=True)))
     axes.axhline(1.0, label="fp32 (1.0×)", **REFERENCE)
     axes.set_xticks(range(len(gains)), ["\n".join(group) for group in gains])
     axes.set_xlabel("parallelism, workers")

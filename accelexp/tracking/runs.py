@@ -404,9 +404,10 @@ def run_name(
 
     In a sweep what the jobs differ in comes first, in short (`np2`, `amp`, `lr=0.2`), then the
     rest of the name: `np2 amp simple_cnn-ddp`. The MLflow UI cuts names at about 15 characters,
-    so rows stay told apart; no two jobs of a sweep share a name."""
+    so rows stay told apart; no two jobs of a sweep share a name: repeats end in ` r1`, ` r2`..."""
+    repeat = f" r{cfg.repeat_index + 1}" if cfg.get("repeats", 1) > 1 else ""
     if cfg.mlflow.run_name:
-        return cfg.mlflow.run_name
+        return cfg.mlflow.run_name + repeat
     parts = _name_parts(cfg, speed, parallelism or {"parallelism": cfg.parallelism.name})
     swept = [k for k in os.environ.get(SWEPT_KEYS_ENV, "").split(",") if k]
     values = {}
@@ -415,7 +416,7 @@ def run_name(
         values[key] = value
     shown = [key for key in swept if key in values]
     rest = "-".join(part for key, part in parts.items() if key not in shown)
-    return " ".join([*(_short(key, values[key]) for key in shown), rest])
+    return " ".join([*(_short(key, values[key]) for key in shown), rest]) + repeat
 
 
 def _short(key: str, value: str) -> str:
@@ -446,6 +447,8 @@ def run_tags(cfg: DictConfig, world_size: int, overrides: Sequence[str] = ()) ->
         "model": cfg.model.name,
         "data": cfg.data.name,
         "world_size": str(world_size),
+        "repeat_index": str(cfg.repeat_index),  # which of the sweep's `repeats` this run is
+        "repeats": str(cfg.repeats),
         "overrides": credentials.redact(" ".join(overrides)),
         **{str(k): str(v) for k, v in (cfg.mlflow.get("tags") or {}).items()},
     }

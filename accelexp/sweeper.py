@@ -1,0 +1,64 @@
+"""Hydra's basic sweeper, with repeats run round-robin: `python run.py -m ... repeats=3`.
+
+A sweep's jobs are the cartesian product of its overrides, as Hydra's `BasicSweeper` makes it;
+with `repeats=N` each job is run N times, and the N rounds follow one another — A B C, A B C,
+A B C, never A A A B B B — so a drift of the machine's speed (another job starting, a GPU
+warming up, a neighbour on the host) falls on every configuration alike, and repeat i of every
+configuration ran close in time to repeat i of the others: the report pairs them by that index
+(`accelexp.report.compare`). Each job gets `repeat_index=i`; with `repeat_seed=vary` also
+`seed=<seed + i>` (varied seeds give accuracy's spread; the same seed isolates speed noise).
+
+The sweeper itself is `hydra_plugins.accelexp_sweeper.RepeatSweeper` (Hydra takes plugins from
+its `hydra_plugins` package only), selected in conf/config.yaml (`override hydra/sweeper:
+repeat`); it asks `plan` for its jobs. Another sweeper chosen on the command line
+(`hydra/sweeper=optuna`) replaces it, repeats and all.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from hydra.core.override_parser.types import Override
+from omegaconf import DictConfig
+
+from accelexp.errors import ConfigError
+
+log = logging.getLogger(__name__)
+OWN_KEYS = ("repeats", "repeat_seed", "repeat_index")  # what a sweep may not vary
+
+
+def plan(
+    overrides: Sequence[Override], jobs: list[list[str]], config: DictConfig
+) -> list[list[str]]:
+    """The sweep's jobs (`jobs`: Hydra's product of `overrides`), each `config.repeats` times,
+    round-robin; a `ConfigError` for a sweep of the repeat keys themselves."""
+    keys = {o.get_key_element().lstrip("+~") for o in overrides}
+    swept = {o.get_key_element().lstrip("+~") for o in overrides if o.is_sweep_override()}
+    if own := [key for key in OWN_KEYS if key in swept]:
+        raise ConfigError(
+            f"{own[0]} cannot be swept: repeats=N runs every configuration of the sweep N "
+            f"times (repeat_index is set for each). Give one value, e.g. repeats=3."
+        )
+    if "repeat_index" in keys:
+        raise ConfigError("repeat_index is set by the sweeper for each repeat: leave it out.")
+    vary = config.repeat_seed == "vary"
+    if vary and "seed" in swept:
+        raise ConfigError(
+            "repeat_seed=vary gives each repeat its own seed, and this sweep varies seed "
+            "itself: use repeat_seed=same, or drop the seed sweep."
+        )
+    return repeated(jobs, config.repeats, config.seed if vary else None)
+
+
+def repeated(jobs: list[list[str]], repeats: int, seed: int | None) -> list[list[str]]:
+    """Each job `repeats` times, round after round; `seed`: the first repeat's (vary)."""
+    rounds = []
+    for index in range(repeats):
+        for job in jobs:
+            if seed is None:
+                rounds.append([*job, f"repeat_index={index}"])
+            else:  # the command line's seed=S is the first repeat's
+                kept = [o for o in job if o.split("=", 1)[0].lstrip("+~") != "seed"]
+                rounds.append([*kept, f"repeat_index={index}", f"seed={seed + index}"])
+    return rounds
