@@ -20,7 +20,10 @@ short epoch keeps three quarters of its steps timed.
 
 Every step tells a `StepClock` where its phases end (input, forward, backward, optimizer, the
 loop's bookkeeping): `EpochResult.breakdown` is where the timed steps' time went, averaged over
-ranks (`accelexp.diagnosis.accounting`). A `profiler` (`profile=true`) is stepped after each step.
+ranks (`accelexp.diagnosis.accounting`); the times between step ends (`EpochResult.step_seconds`)
+give the throughput's interval (`throughput`, batch means). Over the same timed steps a
+`ContentionProbe` samples what shows a shared machine (`EpochResult.noise`, the worst rank's;
+`accelexp.diagnosis.noise`). A `profiler` (`profile=true`) is stepped after each step.
 """
 
 from __future__ import annotations

@@ -7,9 +7,9 @@ its test, so a new kind of command in the docs needs a rule here. What the rules
 
 - `python run.py ...` composes every job of the command with Hydra (a `-m` sweep: every point of
   its grid) and validates it with accelexp's own checks; then it runs for real into this module's
-  MLflow store, at a tiny size: `epochs=1 max_steps_per_epoch=2 threads=1 progress=false`, the
-  synthetic set shrunk to 256 images of 16 px (other data sets keep their size), a command-line
-  sweep cut to its first two values, folders in tmp. Not run, only composed and validated, and
+  MLflow store, at a tiny size: `epochs=1 max_steps_per_epoch=2 threads=1 progress=false
+  repeats=1`, the synthetic set shrunk to 256 images of 16 px (other data sets keep their
+  size), a command-line sweep cut to its first two values, folders in tmp. Not run, only composed and validated, and
   named so: a command whose comment says it `needs a GPU` / `needs N GPUs`, one on CIFAR-10 when
   the set is not on disk (tests have no network), one pointing at a team server (an `http://`
   tracking URI of another host), one with `...` (a pattern: your overrides go there), and Slurm
@@ -65,7 +65,14 @@ PLACEHOLDER = re.compile(r"<[^<>]+>")
 NEEDS_GPU = re.compile(r"\bneeds (a|\d+) GPUs?\b")
 
 # The tiny size every real run is cut to (keys the command sets are replaced, not duplicated).
-TINY = {"progress": "false", "epochs": "1", "max_steps_per_epoch": "2", "threads": "1"}
+# (repeats=1: a study's repeats run one round; tests/test_sweeps.py runs repeats for real)
+TINY = {
+    "progress": "false",
+    "epochs": "1",
+    "max_steps_per_epoch": "2",
+    "threads": "1",
+    "repeats": "1",
+}
 TINY_SYNTHETIC = {
     "data.num_train": "256",
     "data.num_test": "128",

@@ -223,7 +223,7 @@ def test_the_speedups_study_runs_one_child_per_rung(tmp_path):
     result = run_cli(
         "-m", "+experiment=speedups", "data.num_train=256", "data.num_test=128",
         "data.image_size=16", "data.batch_size=32", "epochs=1", "max_steps_per_epoch=4",
-        "progress=false", "threads=1", f"mlflow.tracking_uri={uri}",
+        "progress=false", "threads=1", "repeats=1", f"mlflow.tracking_uri={uri}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

@@ -29,8 +29,9 @@ from playwright.sync_api import sync_playwright
 
 from accelexp.launch import launch
 from accelexp.parallel.world import free_port
-from accelexp.report import LADDER, RUNS, LadderRow, Row
+from accelexp.report import LADDER, RUNS, LadderRow, Row, compare
 from accelexp.report.html import write_html
+from accelexp.tracking import query
 
 TINY = (
     "data=synthetic",
@@ -138,6 +139,44 @@ def test_a_failed_job_is_a_failed_child_and_the_sweep_goes_on(tmp_path):
     assert "data.batch_size=100000" in error
     summary = Path(client.download_artifacts(parent.info.run_id, "report/summary.csv")).read_text()
     assert "FAILED" in summary
+
+
+def test_repeats_run_round_robin_and_the_report_makes_each_configuration_one_row(tmp_path):
+    # 12 steps an epoch, two epochs: the second has steady steps enough for a throughput
+    result, uri = sweep(
+        tmp_path, "precision=fp32,bf16", "repeats=2", "repeat_seed=vary",
+        "data.num_train=512", "max_steps_per_epoch=12",
+    )  # fmt: skip
+    assert result.returncode == 0, output_of(result)
+    parent, children = runs_of(uri)
+    children.sort(key=lambda r: r.info.start_time)
+    order = [(r.data.tags["precision"], r.data.tags["repeat_index"]) for r in children]
+    assert order == [("fp32", "0"), ("bf16", "0"), ("fp32", "1"), ("bf16", "1")]  # A B A B
+    assert [r.data.params["seed"] for r in children] == ["42", "42", "43", "43"]
+    assert [r.info.run_name for r in children] == [
+        "fp32 simple_cnn-single r1", "bf16 simple_cnn-single r1",
+        "fp32 simple_cnn-single r2", "bf16 simple_cnn-single r2",
+    ]  # fmt: skip
+    ids = [r.data.tags["config_id"] for r in children]
+    assert ids[0] == ids[2] != ids[1] == ids[3]  # one configuration across repeats and seeds
+    for run in children:
+        metrics = run.data.metrics
+        assert metrics["throughput_low"] <= metrics["throughput"] <= metrics["throughput_high"]
+        assert run.data.tags["noise"] in ("quiet", "contended")
+    rows = compare(query.child_runs(uri, parent.info.run_id))
+    assert [row.run_name for row in rows] == ["fp32 simple_cnn-single", "bf16 simple_cnn-single"]
+    for row in rows:  # two repeats each: behind the figures, or set aside with why (contended)
+        aside = row.note.count("set aside")
+        behind = 0 if row.noise == "contended" else row.repeats
+        assert behind + aside == 2 and row.samples_per_s_low is not None, row
+
+
+def test_repeats_without_m_and_a_sweep_of_repeats_are_refused_with_what_to_type(tmp_path):
+    single = run_cli(*TINY, "repeats=3", tmp_path=tmp_path)
+    assert single.returncode == 2 and "add -m" in output_of(single), output_of(single)
+    swept, _ = sweep(tmp_path, "repeats=2,3")
+    assert swept.returncode == 2 and "repeats cannot be swept" in output_of(swept)
+    assert "Traceback" not in output_of(single) + output_of(swept)
 
 
 def test_a_single_run_has_no_parent(tmp_path, tracking_uri):

@@ -23,7 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from accelexp.config.schema import SCHEMAS
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-HIDDEN_KEYS = frozenset({"debug"})  # test hooks: composed and validated, never offered to users
+# composed and validated, never offered to users: test hooks, and what the sweeper sets per job
+HIDDEN_KEYS = frozenset({"debug", "repeat_index"})
 _SCHEMA_ENTRY = re.compile(r"^/schema/(?P<group>.+)/(?P<name>\w+)@_here_$")
 
 

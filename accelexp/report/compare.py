@@ -22,6 +22,15 @@ tracking, seed, progress output, evaluation-only sizes, facts derived from the m
 A key only one of two runs logged is not compared (it did not exist yet). When no like-for-like run
 exists the figure stays blank and `Row.note` says why, naming the nearest run and how it differs.
 
+Repeats and intervals (`accelexp.stats`, docs/statistics.md). The runs of one configuration in
+a sweep with `repeats` > 1 (same `config_id`, same parent run: `group_key`) are one row: its
+samples/s the mean of the repeats with a t interval, a single run's its own batch-means interval
+(`throughput_low/high`); speedup and AMP gain are ratios of configurations, paired by
+`repeat_index` where both ran interleaved in one sweep, bootstrapped otherwise; accuracy is the
+mean ± sd over repeats, time to target MLPerf's olympic mean. A run tagged `noise=contended` is
+set aside: it is never behind a ratio or a baseline, a contended repeat is named in the note, a
+configuration with only contended runs is shown, marked, and compared with nothing.
+
 Pure: records in, rows out. A run from before a setting existed reads as that setting's default
 (`SETTING_DEFAULTS`: no `speed` tag is `eager`).
 """
