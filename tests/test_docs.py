@@ -9,8 +9,8 @@ its test, so a new kind of command in the docs needs a rule here. What the rules
   its grid) and validates it with accelexp's own checks; then it runs for real into this module's
   MLflow store, at a tiny size: `epochs=1 max_steps_per_epoch=2 threads=1 progress=false
   repeats=1`, the synthetic set shrunk to 256 images of 16 px (other data sets keep their
-  size), a command-line sweep cut to its first two values, folders in tmp. Not run, only composed and validated, and
-  named so: a command whose comment says it `needs a GPU` / `needs N GPUs`, one on CIFAR-10 when
+  size), a command-line sweep cut to its first two values, folders in tmp. Not run, only
+  composed and validated, and named so: a command whose comment says it `needs a GPU` / `needs N GPUs`, one on CIFAR-10 when
   the set is not on disk (tests have no network), one pointing at a team server (an `http://`
   tracking URI of another host), one with `...` (a pattern: your overrides go there), and Slurm
   (`hydra/launcher=slurm` also checks that nodes x tasks per node = `parallelism.nprocs`).
