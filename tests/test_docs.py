@@ -5,14 +5,14 @@ continuations joined, `# comments` dropped; in ```console blocks only the `$ ` l
 command is handled by the first rule in `RULES` that matches it; a command no rule knows fails
 its test, so a new kind of command in the docs needs a rule here. What the rules do:
 
-- `python run.py ...` composes every job of the command with Hydra (a `-m` sweep: every point of
-  its grid) and validates it with accelexp's own checks; then it runs for real into this module's
-  MLflow store, at a tiny size: `epochs=1 max_steps_per_epoch=2 threads=1 progress=false
-  repeats=1`, the synthetic set shrunk to 256 images of 16 px (other data sets keep their
-  size), a command-line sweep cut to its first two values, folders in tmp. Not run, only
-  composed and validated, and named so: a command whose comment says it `needs a GPU` / `needs N GPUs`, one on CIFAR-10 when
-  the set is not on disk (tests have no network), one pointing at a team server (an `http://`
-  tracking URI of another host), one with `...` (a pattern: your overrides go there), and Slurm
+- `python run.py ...` composes every job of the command with Hydra (a `-m` sweep: every point of its
+  grid) and validates it with accelexp's own checks; then it runs for real into this module's MLflow
+  store, at a tiny size: `epochs=1 max_steps_per_epoch=2 threads=1 progress=false repeats=1`, the
+  synthetic set shrunk to 256 images of 16 px (other data sets keep their size), a command-line
+  sweep cut to its first two values, folders in tmp. Not run, only composed and validated, and named
+  so: a command whose comment says it `needs a GPU` / `needs N GPUs`, one on CIFAR-10 when the set
+  is not on disk (tests have no network), one pointing at a team server (an `http://` tracking URI
+  of another host), one with `...` (a pattern: your overrides go there), and Slurm
   (`hydra/launcher=slurm` also checks that nodes x tasks per node = `parallelism.nprocs`).
 - `torchrun` / `horovodrun` on one host run for real at the same tiny size; across several hosts
   (`--nnodes` > 1, `-H` naming other hosts) and under `srun` they are composed and validated.
