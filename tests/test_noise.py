@@ -173,3 +173,33 @@ def test_the_jobs_own_processes_are_not_others(how: str, monkeypatch: pytest.Mon
             child.wait()
     # the hog case reads ~1.0, a quiet machine ~0.0-0.05 (a shared one can add a little)
     assert sample.others_cores is not None and sample.others_cores < OTHERS_CORES, sample
+
+
+@needs_proc
+def test_a_run_beside_a_real_hog_is_tagged_contended_and_never_compute_bound(
+    compose_cfg, tracking_uri, tmp_path
+) -> None:
+    """The whole path: a tiny real training while another process keeps a core busy."""
+    from conftest import only_run
+    from mlflow import MlflowClient
+
+    from accelexp.report import compare
+    from accelexp.tracking import query
+    from accelexp.train import run
+
+    cfg = compose_cfg("threads=1", "epochs=2", "max_steps_per_epoch=40")
+    hog = new_job_token()
+    try:
+        _busy_elsewhere(60.0, hog)  # bounded; stopped right after the run
+        run(cfg, tmp_path / "out")
+    finally:
+        kill_job(hog)
+    logged = only_run(tracking_uri)
+    tags = logged.data.tags
+    assert tags["noise"] == "contended" and "other processes used" in tags["noise_evidence"]
+    assert tags["diagnosis"] == "contended"
+    assert logged.data.metrics["noise/others_cores"] >= OTHERS_CORES
+    local = MlflowClient(tracking_uri).download_artifacts(logged.info.run_id, "diagnosis.md")
+    assert "**contended**" in open(local).read()
+    (row,) = compare([query.run_record(tracking_uri, logged.info.run_id, histories=True)])
+    assert row.noise == "contended" and row.label.endswith("[contended]")

@@ -352,7 +352,8 @@ class Group:
 
     @property
     def contended(self) -> bool:
-        return not self.usable and any(contention(r) for r in self.finished)
+        """Every finished run of it was timed while other work shared the machine."""
+        return bool(self.finished) and all(contention(r) for r in self.finished)
 
     def samples(self) -> list[Estimate]:
         return [self.measured[r.run_id][0] for r in self.shown]  # type: ignore[misc]
@@ -475,6 +476,7 @@ class _Comparison:
         peaks = [p for r in shown or finished if (p := peak_memory(r)) is not None]
         row.peak_mem_mb = max(peaks) if peaks else None
         notes = self.set_aside(grouped)
+        row.noise = "contended" if grouped.contended else ""
         samples = grouped.throughput()
         if samples is None:
             row.note = "; ".join([*notes, self_why(grouped)])
@@ -482,7 +484,6 @@ class _Comparison:
         row.set("samples_per_s", samples)
         row.repeats = len(shown)
         if grouped.contended:
-            row.noise = "contended"
             row.note = "; ".join([*notes, "its speed is left out of every ratio"])
             return
         mine = comparable_settings(grouped.first)

@@ -1,0 +1,412 @@
+"""Proved, not assumed: an A/A test of the repeats, the paired ratio and the contention probe.
+
+Two identical configurations — the same training, told apart only by a tag — are one real sweep,
+`python run.py -m +mlflow.tags.side=a,b repeats=5 threads=2 epochs=2 max_steps_per_epoch=120
+...` (simple_cnn on the real Fashion-MNIST, the default data), run round-robin (a b a b ...) into
+a throwaway SQLite MLflow store. Their true ratio is 1: whatever the lab reports for b / a is its
+own noise. The sweep runs twice:
+
+1. quiet: nothing else started by this benchmark (the machine may still be shared);
+2. hogged: while the jobs of the odd repeats (1, 3, ...) of both sides run, a CPU hog — one
+   busy-loop process per `--hog-cores` (default 1 of the 2 cores) — started by this benchmark
+   when the job's folder `<sweep dir>/<job number>/` appears (Hydra makes it as the job starts)
+   and killed when the next job's does (or the sweep writes its report, or ends). The hog stops
+   itself at a deadline and when its parent goes away, and is killed in a `finally` too. The even
+   repeats stay hog-free on both sides, so pairs of clean runs remain when the flagged ones are
+   set aside.
+
+`threads=2` (all cores, torch's own default here): the realistic "someone shares your machine"
+case is a run sized for the whole machine that a neighbour takes a core from; its intra-op
+threads then wait on the one that shares a core. With threads=1 a one-core hog would sit on the
+idle core, and only the probe's "no free core left" rule would tell.
+
+For each condition it prints, from the store (`accelexp.tracking.query`): every run — side,
+repeat, hogged, throughput with its 95 % batch-means interval (`accelexp.report.compare`), the
+`noise` tag and the probe's per-epoch figures, the job's wall and CPU time (the sweep process's
+CPU time sampled at each job's start: one process runs every job), the hog's CPU time; the A/A
+ratio b / a paired by repeat index (`accelexp.stats.ratio`), over all runs and with the pairs
+where either side is flagged contended set aside, whether each interval holds 1.00 and its
+half-width; the share of hogged runs flagged (goal >= 90 %) and of un-hogged runs flagged (false
+alarms); and the goals, PASS or FAIL: quiet, the interval holds 1.00 and is within +-5 %;
+hogged, >= 90 % of hogged runs flagged and the reported ratio (contended set aside) holds 1.00.
+
+    python benchmarks/noise.py                          # both conditions, 5 repeats (~10 min)
+    python benchmarks/noise.py --repeats 2 --steps 30   # a quick check
+    python benchmarks/noise.py --only hogged --keep     # keep the store: mlflow ui ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from accelexp import stats
+from accelexp.processes import JOB_ENV
+from accelexp.report.compare import measure_estimate
+from accelexp.stats import Estimate
+from accelexp.tracking import query
+from accelexp.tracking.query import RunRecord
+
+REPO = Path(__file__).resolve().parents[1]
+SIDES = ("a", "b")
+POLL_S = 0.05
+HOG_DEADLINE_S = 300.0  # a hog stops itself after this, whatever happens to the benchmark
+HALFWIDTH_GOAL = 0.05  # quiet: the A/A interval within +-5 %
+FLAGGED_GOAL = 0.90  # hogged: share of hogged runs flagged contended
+PROBE = ("others_cores", "cpu_util", "step_spread", "steal")  # noise/* shown per epoch
+# the hog: busy until its deadline, or until its parent (this benchmark) is gone
+HOG_CODE = """
+import os, sys, time
+end, parent = time.monotonic() + float(sys.argv[1]), os.getppid()
+while time.monotonic() < end and os.getppid() == parent:
+    for _ in range(20000):
+        pass
+"""
+
+
+def cpu_seconds(rusage: resource.struct_rusage) -> float:
+    return rusage.ru_utime + rusage.ru_stime
+
+
+@dataclass
+class Hog:
+    """The busy-loop processes beside one job; `stop` kills them and keeps their CPU time."""
+
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    cpu_s: float = 0.0
+    ended_early: bool = False  # a hog had stopped (its deadline) before it was killed
+
+    @classmethod
+    def start(cls, cores: int, deadline_s: float) -> Hog:
+        env = {k: v for k, v in os.environ.items() if k != JOB_ENV}  # not one of the job's
+        argv = [sys.executable, "-c", HOG_CODE, str(deadline_s)]
+        return cls([subprocess.Popen(argv, env=env) for _ in range(cores)])
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.returncode is not None:
+                continue
+            self.ended_early |= process.poll() is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                _, status, usage = os.wait4(process.pid, 0)
+                process.returncode = os.waitstatus_to_exitcode(status)
+                self.cpu_s += cpu_seconds(usage)
+
+
+@dataclass
+class Job:
+    number: int
+    side: str
+    repeat: int
+    hogged: bool
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    hog: Hog | None = None
+
+
+@dataclass
+class Sweep:
+    jobs: list[Job]
+    wall_s: float
+    cpu_s: float  # the sweep process's, children's rusage
+    exit_code: int
+    log: Path
+
+
+def sweep_command(args: argparse.Namespace, store: Path, condition: str) -> list[str]:
+    return [
+        sys.executable, "run.py", "-m", "+mlflow.tags.side=" + ",".join(SIDES),
+        f"repeats={args.repeats}", f"epochs={args.epochs}", f"max_steps_per_epoch={args.steps}",
+        f"threads={args.threads}", "target_accuracy=null", "progress=false",
+        f"mlflow.tracking_uri={uri(store)}", f"mlflow.experiment=aa-{condition}",
+        f"hydra.sweep.dir={store / condition}",
+    ]  # fmt: skip
+
+
+def uri(store: Path) -> str:
+    return f"sqlite:///{store / 'mlflow.db'}"
+
+
+def run_sweep(args: argparse.Namespace, store: Path, condition: str) -> Sweep:
+    """One sweep, its jobs watched: a job starts when Hydra makes its folder `<dir>/<number>`."""
+    sweep_dir = store / condition
+    # the sweeper's order: round r runs side a then side b (accelexp.sweeper.repeated)
+    jobs = [
+        Job(r * len(SIDES) + i, side, r, condition == "hogged" and r % 2 == 1)
+        for r in range(args.repeats)
+        for i, side in enumerate(SIDES)
+    ]
+    log = store / f"{condition}.log"
+    command = sweep_command(args, store, condition)
+    print(f"\n[{condition}] {' '.join(command[1:])}", flush=True)
+    started = time.perf_counter()
+    with log.open("w") as out:
+        sweep = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    me = psutil.Process(sweep.pid)
+    marks: list[tuple[float, float]] = []  # (wall, sweep's CPU) at each job's start
+    hog: Hog | None = None
+    usage = None
+    try:
+        while True:
+            pid, status, usage = os.wait4(sweep.pid, os.WNOHANG)
+            now = time.perf_counter()
+            k = len(marks)
+            starting = k < len(jobs) and (sweep_dir / str(k)).is_dir()
+            ending = pid != 0 or (k == len(jobs) and (sweep_dir / "report").exists())
+            if starting or (ending and len(marks) == len(jobs) + 0 and hog is not None):
+                if hog is not None:
+                    hog.stop()
+                    hog = None
+            if starting:
+                with contextlib.suppress(psutil.Error):
+                    marks.append((now, sum(me.cpu_times()[:4])))
+                if len(marks) == k:  # the sweep is gone already
+                    marks.append((now, marks[-1][1] if marks else 0.0))
+                job = jobs[k]
+                if job.hogged:
+                    hog = job.hog = Hog.start(args.hog_cores, args.hog_deadline)
+                print(
+                    f"  job {k}: side {job.side} repeat {job.repeat}"
+                    + (" + hog" if job.hogged else ""),
+                    flush=True,
+                )
+                continue
+            if ending and len(marks) == len(jobs) and len(marks[-1]) == 2:
+                if pid == 0:  # the report is being written: the last job is over
+                    with contextlib.suppress(psutil.Error):
+                        marks.append((now, sum(me.cpu_times()[:4])))
+                if pid != 0:
+                    break
+            if pid != 0:
+                break
+            time.sleep(POLL_S)
+    finally:
+        if hog is not None:
+            hog.stop()
+        for job in jobs:
+            if job.hog is not None:
+                job.hog.stop()
+        if sweep.returncode is None and usage is not None and pid == 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(sweep.pid, signal.SIGINT)  # let it close its runs
+            with contextlib.suppress(ChildProcessError):
+                os.wait4(sweep.pid, 0)
+    wall = time.perf_counter() - started
+    code = os.waitstatus_to_exitcode(status)
+    sweep.returncode = code
+    total_cpu = cpu_seconds(usage)
+    if len(marks) == len(jobs):  # it ended with no report folder seen: the end is the exit
+        marks.append((started + wall, total_cpu))
+    for job, (t0, c0), (t1, c1) in zip(jobs, marks, marks[1:], strict=False):
+        job.wall_s, job.cpu_s = t1 - t0, c1 - c0
+    return Sweep(jobs, wall, total_cpu, code, log)
+
+
+@dataclass
+class Run:
+    job: Job
+    record: RunRecord
+    estimate: Estimate | None
+    why: str
+    probe: dict[str, list[float]]
+
+    @property
+    def contended(self) -> bool:
+        return self.record.tags.get("noise") == "contended"
+
+
+def read_runs(store: Path, condition: str, jobs: list[Job]) -> list[Run]:
+    experiment = query.experiment_id(uri(store), f"aa-{condition}")
+    records = query.experiment_runs(uri(store), experiment)
+    by_key = {(r.tags.get("side"), int(r.tags.get("repeat_index", -1))): r for r in records}
+    runs = []
+    for job in jobs:
+        record = by_key.get((job.side, job.repeat))
+        if record is None:
+            continue
+        estimate, why = measure_estimate(record)
+        probe = {
+            name: [v for _, v in query.metric_history(uri(store), record.run_id, f"noise/{name}")]
+            for name in PROBE
+        }
+        runs.append(Run(job, record, estimate, why, probe))
+    return runs
+
+
+def per_epoch(values: list[float], fmt: str) -> str:
+    return "/".join(fmt.format(v) for v in values) if values else "-"
+
+
+def print_runs(runs: list[Run]) -> None:
+    print(
+        f"{'side':<5}{'rep':>4}{'hog':>5}  {'throughput img/s (95 %)':<26}{'±%':>6}  "
+        f"{'noise':<10}{'others':>11}{'cpu_util':>11}{'spread':>11}{'steal':>11}"
+        f"{'wall s':>8}{'cpu s':>8}{'hog cpu':>8}"
+    )
+    for run in runs:
+        job, e = run.job, run.estimate
+        text = stats.format_estimate(e, "{:.0f}") if e is not None else run.why[:26]
+        half = e.relative_halfwidth() if e is not None else None
+        hog_cpu = f"{job.hog.cpu_s:.1f}" if job.hog is not None else "-"
+        print(
+            f"{job.side:<5}{job.repeat:>4}{'yes' if job.hogged else 'no':>5}  {text:<26}"
+            f"{100 * half if half is not None else float('nan'):>6.1f}  "
+            f"{run.record.tags.get('noise', '?'):<10}"
+            f"{per_epoch(run.probe['others_cores'], '{:.2f}'):>11}"
+            f"{per_epoch(run.probe['cpu_util'], '{:.2f}'):>11}"
+            f"{per_epoch(run.probe['step_spread'], '{:.1f}'):>11}"
+            f"{per_epoch(run.probe['steal'], '{:.2f}'):>11}"
+            f"{job.wall_s:>8.1f}{job.cpu_s:>8.1f}{hog_cpu:>8}"
+        )
+
+
+def paired(runs: list[Run], keep_contended: bool) -> tuple[Estimate | None, list[int]]:
+    """b / a paired by repeat index over the repeats where both sides measured (and, unless
+    `keep_contended`, neither side was flagged); the repeats used."""
+    by = {(r.job.side, r.job.repeat): r for r in runs if r.estimate is not None}
+    repeats = sorted({repeat for _, repeat in by})
+    used = [
+        i
+        for i in repeats
+        if all((s, i) in by for s in SIDES)
+        and (keep_contended or not any(by[s, i].contended for s in SIDES))
+    ]
+    if not used:
+        return None, []
+    num = [by["b", i].estimate for i in used]
+    den = [by["a", i].estimate for i in used]
+    return stats.ratio(num, den, paired=True), used
+
+
+def describe(e: Estimate | None) -> str:
+    if e is None:
+        return "no pairs"
+    half = e.relative_halfwidth()
+    width = f"±{100 * half:.1f} %" if half is not None else "no interval"
+    holds = "holds 1.00" if e.contains(1.0) else "EXCLUDES 1.00"
+    return f"{stats.format_estimate(e, '{:.3f}', '×')}  {width}  {holds}  [{e.method or '-'}]"
+
+
+def share(flags: list[bool]) -> tuple[float | None, str]:
+    if not flags:
+        return None, "no runs"
+    return sum(flags) / len(flags), f"{sum(flags)}/{len(flags)} = {sum(flags) / len(flags):.0%}"
+
+
+def report(condition: str, sweep: Sweep, runs: list[Run]) -> list[tuple[str, bool]]:
+    """Print the condition's tables; its goals as (text, passed)."""
+    print(f"\n=== {condition}: {len(runs)} runs read back of {len(sweep.jobs)} jobs ===")
+    if sweep.exit_code != 0:
+        print(f"  the sweep exited {sweep.exit_code}; its log: {sweep.log}")
+    print_runs(runs)
+    print(
+        f"whole sweep: wall {sweep.wall_s:.1f} s, CPU {sweep.cpu_s:.1f} s (children's rusage: "
+        f"{sweep.cpu_s / sweep.wall_s:.2f} cores); jobs' wall and CPU: from one job's start "
+        f"to the next (job 0 includes importing torch)"
+    )
+    every, used_all = paired(runs, keep_contended=True)
+    clean, used_clean = paired(runs, keep_contended=False)
+    print(f"A/A b/a, all pairs          (repeats {used_all}): {describe(every)}")
+    print(f"A/A b/a, contended set aside (repeats {used_clean}): {describe(clean)}")
+    hogged = [r for r in runs if r.job.hogged]
+    free = [r for r in runs if not r.job.hogged]
+    if hogged and free:
+        speed = [r for r in hogged if r.estimate is not None]
+        base = [r for r in free if r.estimate is not None]
+        if speed and base:
+            slowdown = statistics.median(r.estimate.value for r in speed) / statistics.median(
+                r.estimate.value for r in base
+            )
+            print(f"hogged / hog-free throughput (medians): {slowdown:.2f}")
+    caught, caught_text = share([r.contended for r in hogged])
+    alarms, alarms_text = share([r.contended for r in free])
+    if hogged:
+        print(f"hogged runs flagged contended: {caught_text}")
+    print(f"un-hogged runs flagged contended (false alarms): {alarms_text}")
+    for r in runs:
+        if r.contended != r.job.hogged:
+            what = "flagged without a hog" if r.contended else "hogged, not flagged"
+            evidence = r.record.tags.get("noise_evidence", "")
+            print(f"  {r.job.side} r{r.job.repeat}: {what}: {evidence}")
+    goals = []
+    if condition == "quiet":
+        e = clean
+        ok = (
+            e is not None
+            and e.contains(1.0)
+            and (e.relative_halfwidth() or 1.0) <= HALFWIDTH_GOAL
+            and len(runs) == len(sweep.jobs)
+        )
+        also = "" if every is clean else f" (all pairs: {describe(every)})"
+        goals.append((f"quiet: reported A/A {describe(e)}; goal holds 1.00, ≤ ±5 %{also}", ok))
+    else:
+        ok = caught is not None and caught >= FLAGGED_GOAL
+        goals.append((f"hogged: {caught_text} of hogged runs flagged; goal ≥ 90 %", ok))
+        ok = clean is not None and clean.contains(1.0)
+        goals.append((f"hogged: reported A/A (contended set aside) {describe(clean)}", ok))
+    for text, ok in goals:
+        print(f"{'PASS' if ok else 'FAIL'}  {text}")
+    return goals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=120, help="max_steps_per_epoch")
+    parser.add_argument("--epochs", type=int, default=2, help="throughput: those after the 1st")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each run")
+    parser.add_argument("--hog-cores", type=int, default=1, help="busy-loop processes")
+    parser.add_argument("--hog-deadline", type=float, default=HOG_DEADLINE_S, help="seconds")
+    parser.add_argument("--only", choices=("quiet", "hogged"))
+    parser.add_argument("--keep", action="store_true", help="keep the MLflow store")
+    args = parser.parse_args()
+    conditions = [args.only] if args.only else ["quiet", "hogged"]
+    store = Path(tempfile.mkdtemp(prefix="accelexp-aa-"))
+    cores = len(os.sched_getaffinity(0))
+    print(
+        f"A/A test: simple_cnn on Fashion-MNIST, epochs={args.epochs} steps/epoch={args.steps} "
+        f"threads={args.threads} repeats={args.repeats}, {cores} cores, hog "
+        f"{args.hog_cores} busy core(s) during the odd repeats; store {store}"
+    )
+    results: dict[str, tuple[Sweep, list[Run]]] = {}
+    goals: list[tuple[str, bool]] = []
+    try:
+        for condition in conditions:
+            sweep = run_sweep(args, store, condition)
+            results[condition] = sweep, read_runs(store, condition, sweep.jobs)
+        for condition, (sweep, runs) in results.items():
+            goals += report(condition, sweep, runs)
+        print("\nGoals:")
+        for text, ok in goals:
+            print(f"  {'PASS' if ok else 'FAIL'}  {text}")
+        total_wall = sum(s.wall_s for s, _ in results.values())
+        total_cpu = sum(s.cpu_s for s, _ in results.values())
+        hog_cpu = sum(j.hog.cpu_s for s, _ in results.values() for j in s.jobs if j.hog)
+        print(
+            f"Totals: sweeps' wall {total_wall:.1f} s, their CPU {total_cpu:.1f} s; "
+            f"the hogs' CPU {hog_cpu:.1f} s"
+        )
+    finally:
+        if args.keep:
+            print(f"store kept: mlflow ui --backend-store-uri {uri(store)}")
+        else:
+            shutil.rmtree(store, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
