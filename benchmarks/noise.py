@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import resource
 import shutil
@@ -99,13 +100,14 @@ class Hog:
         for process in self.processes:
             if process.returncode is not None:
                 continue
-            self.ended_early |= process.poll() is not None
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(process.pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+            self.ended_early |= pid != 0
+            if pid == 0:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGKILL)
                 _, status, usage = os.wait4(process.pid, 0)
-                process.returncode = os.waitstatus_to_exitcode(status)
-                self.cpu_s += cpu_seconds(usage)
+            process.returncode = os.waitstatus_to_exitcode(status)
+            self.cpu_s += cpu_seconds(usage)
 
 
 @dataclass
@@ -159,62 +161,55 @@ def run_sweep(args: argparse.Namespace, store: Path, condition: str) -> Sweep:
         sweep = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     me = psutil.Process(sweep.pid)
     marks: list[tuple[float, float]] = []  # (wall, sweep's CPU) at each job's start
+    end: tuple[float, float] | None = None  # ... when the sweep's report began: jobs are over
     hog: Hog | None = None
-    usage = None
+    pid = 0
     try:
         while True:
             pid, status, usage = os.wait4(sweep.pid, os.WNOHANG)
-            now = time.perf_counter()
-            k = len(marks)
-            starting = k < len(jobs) and (sweep_dir / str(k)).is_dir()
-            ending = pid != 0 or (k == len(jobs) and (sweep_dir / "report").exists())
-            if starting or (ending and len(marks) == len(jobs) + 0 and hog is not None):
-                if hog is not None:
-                    hog.stop()
-                    hog = None
-            if starting:
-                with contextlib.suppress(psutil.Error):
-                    marks.append((now, sum(me.cpu_times()[:4])))
-                if len(marks) == k:  # the sweep is gone already
-                    marks.append((now, marks[-1][1] if marks else 0.0))
-                job = jobs[k]
-                if job.hogged:
-                    hog = job.hog = Hog.start(args.hog_cores, args.hog_deadline)
-                print(
-                    f"  job {k}: side {job.side} repeat {job.repeat}"
-                    + (" + hog" if job.hogged else ""),
-                    flush=True,
-                )
-                continue
-            if ending and len(marks) == len(jobs) and len(marks[-1]) == 2:
-                if pid == 0:  # the report is being written: the last job is over
-                    with contextlib.suppress(psutil.Error):
-                        marks.append((now, sum(me.cpu_times()[:4])))
-                if pid != 0:
-                    break
             if pid != 0:
                 break
+            now, k = time.perf_counter(), len(marks)
+            if k < len(jobs) and (sweep_dir / str(k)).is_dir():  # job k started
+                if hog is not None:
+                    hog.stop()
+                marks.append((now, sweep_cpu(me)))
+                job = jobs[k]
+                hog = job.hog = Hog.start(args.hog_cores, args.hog_deadline) if job.hogged else None
+                print(f"  job {k}: side {job.side} repeat {job.repeat}"
+                      + (" + hog" if job.hogged else ""), flush=True)  # fmt: skip
+                continue
+            if k == len(jobs) and end is None and (sweep_dir / "report").exists():
+                if hog is not None:
+                    hog.stop()
+                end = now, sweep_cpu(me)
             time.sleep(POLL_S)
     finally:
         if hog is not None:
             hog.stop()
-        for job in jobs:
-            if job.hog is not None:
-                job.hog.stop()
-        if sweep.returncode is None and usage is not None and pid == 0:
+        if pid == 0:  # interrupted: the sweep is still running
             with contextlib.suppress(ProcessLookupError):
-                os.kill(sweep.pid, signal.SIGINT)  # let it close its runs
-            with contextlib.suppress(ChildProcessError):
-                os.wait4(sweep.pid, 0)
+                sweep.send_signal(signal.SIGINT)  # let it close its runs
+            try:
+                sweep.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                sweep.kill()
+                sweep.wait()
     wall = time.perf_counter() - started
-    code = os.waitstatus_to_exitcode(status)
-    sweep.returncode = code
+    sweep.returncode = code = os.waitstatus_to_exitcode(status)
     total_cpu = cpu_seconds(usage)
-    if len(marks) == len(jobs):  # it ended with no report folder seen: the end is the exit
-        marks.append((started + wall, total_cpu))
+    marks.append(end or (started + wall, total_cpu))  # no report seen: the end is the exit
     for job, (t0, c0), (t1, c1) in zip(jobs, marks, marks[1:], strict=False):
         job.wall_s, job.cpu_s = t1 - t0, c1 - c0
     return Sweep(jobs, wall, total_cpu, code, log)
+
+
+def sweep_cpu(process: psutil.Process) -> float:
+    """CPU seconds of the sweep's process (and its reaped children) so far."""
+    with contextlib.suppress(psutil.Error):
+        times = process.cpu_times()
+        return times.user + times.system + times.children_user + times.children_system
+    return math.nan
 
 
 @dataclass
@@ -233,12 +228,17 @@ class Run:
 def read_runs(store: Path, condition: str, jobs: list[Job]) -> list[Run]:
     experiment = query.experiment_id(uri(store), f"aa-{condition}")
     records = query.experiment_runs(uri(store), experiment)
-    by_key = {(r.tags.get("side"), int(r.tags.get("repeat_index", -1))): r for r in records}
+    by_job = {Path(r.tags.get("output_dir", "")).name: r for r in records}  # <sweep dir>/<k>
     runs = []
     for job in jobs:
-        record = by_key.get((job.side, job.repeat))
+        record = by_job.get(str(job.number))
         if record is None:
+            print(f"  [{condition}] job {job.number} ({job.side} r{job.repeat}) logged no run")
             continue
+        logged = record.tags.get("side"), record.tags.get("repeat_index")
+        if logged != (job.side, str(job.repeat)):  # the sweeper's order is not the one assumed
+            expected = job.side, job.repeat
+            raise SystemExit(f"job {job.number} ran (side, repeat) {logged}, not {expected}")
         estimate, why = measure_estimate(record)
         probe = {
             name: [v for _, v in query.metric_history(uri(store), record.run_id, f"noise/{name}")]
@@ -334,11 +334,13 @@ def report(condition: str, sweep: Sweep, runs: list[Run]) -> list[tuple[str, boo
             )
             print(f"hogged / hog-free throughput (medians): {slowdown:.2f}")
     caught, caught_text = share([r.contended for r in hogged])
-    alarms, alarms_text = share([r.contended for r in free])
+    _, alarms_text = share([r.contended for r in free])
     if hogged:
         print(f"hogged runs flagged contended: {caught_text}")
     print(f"un-hogged runs flagged contended (false alarms): {alarms_text}")
     for r in runs:
+        if r.job.hog is not None and r.job.hog.ended_early:
+            print(f"  {r.job.side} r{r.job.repeat}: its hog stopped at its deadline, early")
         if r.contended != r.job.hogged:
             what = "flagged without a hog" if r.contended else "hogged, not flagged"
             evidence = r.record.tags.get("noise_evidence", "")

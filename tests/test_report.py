@@ -25,6 +25,7 @@ from accelexp.report import (
     MIN_STEADY_STEPS,
     BaselineError,
     compare,
+    diagnose,
     main,
     measure,
     throughput,
@@ -446,6 +447,8 @@ def test_repeats_of_one_configuration_are_one_row_with_intervals_computed_by_han
     assert gain.amp_gain_high == pytest.approx(2.718281828459045 ** (mean + T_975_2 * sd / 3**0.5))
     assert gain.speedup == gain.amp_gain  # the fp32 repeats are the baseline too
     assert base.speedup == 1.0
+    # --diagnose keeps a row per repeat, a configuration's repeats together
+    assert [row.run_name[:4] for row in diagnose(records)] == ["fp32"] * 3 + ["amp "] * 3
 
 
 def test_a_contended_repeat_is_set_aside_with_its_evidence():

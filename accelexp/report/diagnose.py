@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from accelexp.report.compare import compare
+from accelexp.report.compare import compare, group
 from accelexp.tracking.query import RunRecord
 
 SEGMENTS = ("input", "forward", "backward", "optimizer", "comm", "other")  # time/<segment>_s
@@ -98,9 +98,11 @@ def diagnosis_row(record: RunRecord) -> DiagnosisRow:
 
 
 def diagnose(records: Sequence[RunRecord]) -> list[DiagnosisRow]:
-    """One row per run, in the order of the main table (parallelism, workers, precision, ...)."""
+    """One row per run — each repeat its own — in the order of the main table (parallelism,
+    workers, precision, ...), a configuration's repeats together."""
     order = {row.run_id: i for i, row in enumerate(compare(records, strict=False))}
-    return sorted(map(diagnosis_row, records), key=lambda row: order[row.run_id])
+    first = {r.run_id: g.first.run_id for g in group(records) for r in g.records}
+    return sorted(map(diagnosis_row, records), key=lambda row: order[first[row.run_id]])
 
 
 def footnote(rows: Sequence[DiagnosisRow]) -> str | None:
