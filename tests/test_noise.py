@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,6 +201,6 @@ def test_a_run_beside_a_real_hog_is_tagged_contended_and_never_compute_bound(
     assert tags["diagnosis"] == "contended"
     assert logged.data.metrics["noise/others_cores"] >= OTHERS_CORES
     local = MlflowClient(tracking_uri).download_artifacts(logged.info.run_id, "diagnosis.md")
-    assert "**contended**" in open(local).read()
+    assert "**contended**" in Path(local).read_text()
     (row,) = compare([query.run_record(tracking_uri, logged.info.run_id, histories=True)])
     assert row.noise == "contended" and row.label.endswith("[contended]")
