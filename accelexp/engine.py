@@ -74,10 +74,6 @@ class EpochResult:
     step_seconds: list[float] = field(default_factory=list)  # each timed step's, this rank's
     noise: NoiseSample | None = None  # what shows a shared machine, worst over ranks
 
-    def throughput(self) -> Estimate:
-        """`samples_per_s` with its 95 % interval from the batch means of the step times."""
-        return throughput([self])
-
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.seconds
@@ -216,7 +212,8 @@ class Trainer:
         synchronize(self.device)
         start = last_line = time.perf_counter()
         clock.start()
-        probe.start()
+        if not warmup:  # else it starts with the timed steps
+            probe.start()
         for step, (images, labels) in enumerate(loader):
             if step == steps:
                 break

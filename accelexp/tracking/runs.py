@@ -405,7 +405,7 @@ def run_name(
     In a sweep what the jobs differ in comes first, in short (`np2`, `amp`, `lr=0.2`), then the
     rest of the name: `np2 amp simple_cnn-ddp`. The MLflow UI cuts names at about 15 characters,
     so rows stay told apart; no two jobs of a sweep share a name: repeats end in ` r1`, ` r2`..."""
-    repeat = f" r{cfg.repeat_index + 1}" if cfg.get("repeats", 1) > 1 else ""
+    repeat = f" r{cfg.repeat_index + 1}" if cfg.repeats > 1 else ""
     if cfg.mlflow.run_name:
         return cfg.mlflow.run_name + repeat
     parts = _name_parts(cfg, speed, parallelism or {"parallelism": cfg.parallelism.name})
