@@ -45,6 +45,7 @@ class Layout:
     # the rich table only:
     fold: frozenset[str] = frozenset()  # cells broken anywhere when too narrow, never cut
     widths: Mapping[str, int] = field(default_factory=dict)  # at most; a longer header wraps
+    relative: frozenset[str] = frozenset()  # intervals as `5,105 ±3%` (short), not `(lo–hi)`
     compact: bool = False  # no frame or column rules, columns two spaces apart
     padding: int = 1  # spaces each side of a cell (compact: between two cells, plus one)
     # the rows' notes, listed under the readable tables, each after its row's `label` attribute
@@ -90,6 +91,8 @@ class Layout:
         shape = self.display.get(key, "{}")
         number, suffix = (shape[:-1], shape[-1]) if shape.endswith("×") else (shape, "")
         estimate = Estimate(value, low, high)
+        if key in self.relative and (half := estimate.relative_halfwidth()) is not None:
+            return f"{shape.format(value)} ±{100 * half:.0f}%"
         if key in RATIOS and stats.verdict(estimate) == stats.NO_DIFFERENCE:
             interval = stats.format_estimate(estimate, number).partition(" ")[2]
             return f"{stats.NO_DIFFERENCE} {interval}"
@@ -138,9 +141,8 @@ RUNS = Layout(
 RUNS_BRIEF = Layout(  # what a user needs at a glance: what the run was, how fast, how good
     row_type=Row,
     headers={
-        "label": "run",
+        "label": "run",  # its name says its precision
         "world_size": "workers",
-        "precision": "precision",
         "samples_per_s": "samples/s",
         "speedup": "speedup",
         "scaling_efficiency": "efficiency",
@@ -148,11 +150,22 @@ RUNS_BRIEF = Layout(  # what a user needs at a glance: what the run was, how fas
         "best_val_acc": "best val acc",
         "peak_mem_mb": "peak mem (MB)",
     },
-    display=RUNS_DISPLAY,
+    display=RUNS_DISPLAY | {"samples_per_s": "{:.0f}"},
     numeric=RUNS.numeric,
-    fold=frozenset({"label"}),  # a long name breaks onto a second line, never cut
-    # "simple_cnn-horovod-np2-amp" and "12345.6" fit; two-word headers wrap
-    widths={"label": 26, "amp_gain": 5, "best_val_acc": 8, "peak_mem_mb": 8},
+    relative=frozenset({"samples_per_s"}),
+    # a long name, and a ratio with its interval (`1.82×` over `(1.75–1.90)`), break onto more
+    # lines, never cut
+    fold=frozenset({"label", "speedup", "scaling_efficiency", "amp_gain"}),
+    # "simple_cnn-horovod-np2-amp", "12345 ±10%" and "(1.75–1.90)" fit; two-word headers wrap
+    widths={
+        "label": 26,
+        "samples_per_s": 10,
+        "scaling_efficiency": 11,
+        "speedup": 11,
+        "amp_gain": 11,
+        "best_val_acc": 8,
+        "peak_mem_mb": 8,
+    },
     compact=True,
     padding=0,  # columns one space apart
     note="note",
@@ -200,12 +213,14 @@ LADDER_BRIEF = Layout(  # the ladder at a glance, in at most BRIEF_WIDTH columns
         "best_val_acc": "best val acc",
         "peak_mem_mb": "peak mem (MB)",
     },
-    display=LADDER_DISPLAY,
+    display=LADDER_DISPLAY | {"samples_per_s": "{:.0f}"},
     numeric=LADDER.numeric,
     optional=frozenset({"compile_s"}),
-    fold=frozenset({"label", "speed", "vs_previous"}),  # broken onto more lines, never cut
-    # "channels_last", "tf32+cl+comp" and "1.27× (vs tf32)" fit on a line; headers wrap
-    widths={"label": 13, "speed": 12, "vs_previous": 15, "gain_vs_fp32": 5}
+    relative=frozenset({"samples_per_s"}),
+    # broken onto more lines, never cut: a gain over its interval, `1.27×` over `(1.10–1.45)`
+    fold=frozenset({"label", "speed", "vs_previous", "gain_vs_fp32"}),
+    # "channels_last", "12345 ±10%" and "(1.10–1.45)" fit on a line; headers wrap
+    widths={"label": 13, "speed": 11, "samples_per_s": 10, "vs_previous": 11, "gain_vs_fp32": 11}
     | dict.fromkeys(["compile_s", "best_val_acc", "peak_mem_mb"], 8),
     compact=True,
     padding=0,
