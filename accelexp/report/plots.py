@@ -225,6 +225,19 @@ def _bounds(row: Any, metric: str) -> tuple[float | None, float | None]:
     return getattr(row, f"{metric}_low", None), getattr(row, f"{metric}_high", None)
 
 
+def _yerr(
+    heights: Sequence[float], bounds: Sequence[tuple[float | None, float | None]]
+) -> list[list[float]]:
+    """matplotlib's `yerr` (below, above) of bars of `heights`: 0 where a bar has no interval."""
+    below = [
+        h - low if low is not None else 0.0 for h, (low, _) in zip(heights, bounds, strict=True)
+    ]
+    above = [
+        high - h if high is not None else 0.0 for h, (_, high) in zip(heights, bounds, strict=True)
+    ]
+    return [below, above]
+
+
 def throughput_figure(rows: Sequence[Row]) -> Any | None:
     """samples/s against workers, a line per (parallelism, precision[, what else varies]), from
     0; each series' ideal linear scaling from its fewest workers dashed in its colour."""
@@ -305,16 +318,7 @@ def amp_gain_figure(rows: Sequence[Row]) -> Any | None:
         # a bar of one row carries its 95 % interval
         bounds = [_bounds(same[0], "amp_gain") if len(same) == 1 else (None, None)
                   for same in bar_rows]  # fmt: skip
-        errors = [
-            [
-                h - low if low is not None else 0.0
-                for h, (low, _) in zip(heights, bounds, strict=True)
-            ],
-            [
-                high - h if high is not None else 0.0
-                for h, (_, high) in zip(heights, bounds, strict=True)
-            ],
-        ]
+        errors = _yerr(heights, bounds)
         offset = (j - (len(precisions) - 1) / 2) * width
         bars = axes.bar(
             [i + offset for i in places],
@@ -388,15 +392,20 @@ def ladder_figure(rows: Sequence[LadderRow]) -> Any | None:
     if not measured:
         return None
     figure, axes = _figure((8, 4.5))
-    top = max(measured)
+    heights = [row.samples_per_s or 0 for row in rows]
+    bounds = [_bounds(row, "samples_per_s") for row in rows]
+    errors = _yerr(heights, bounds)  # each rung's 95 % interval, where it has one
+    top = max(h + e for h, e in zip(heights, errors[1], strict=True))
     positions = range(len(rows))
     bars = axes.bar(
         positions,
-        [row.samples_per_s or 0 for row in rows],
+        heights,
         color=["0.6" if row.rung_index == 0 else "C0" for row in rows],  # gray: the reference
         width=0.6,
+        yerr=errors,
+        capsize=4,
     )
-    for bar, row in zip(bars, rows, strict=True):
+    for bar, row, above in zip(bars, rows, errors[1], strict=True):
         middle = bar.get_x() + bar.get_width() / 2
         if row.samples_per_s is None:
             axes.text(middle, 0.02 * top, row.status, ha="center", va="bottom", color="C3")
@@ -404,10 +413,10 @@ def ladder_figure(rows: Sequence[LadderRow]) -> Any | None:
         label = f"{row.gain_vs_fp32:.2f}×" if row.gain_vs_fp32 is not None else ""
         if row.compile_s is not None:
             label += f"\n+{row.compile_s:.0f} s compile"
-        axes.text(middle, bar.get_height() + 0.01 * top, label, ha="center", va="bottom")
+        axes.text(middle, bar.get_height() + above + 0.01 * top, label, ha="center", va="bottom")
     axes.set_xticks(list(positions), [row.rung for row in rows])
     axes.set_xlabel("rung (each adds one switch to the one before)")
-    axes.set_ylabel("images/s (steady-state median)")
+    axes.set_ylabel("images/s (steady state; bars: 95 % interval)")
     axes.set_ylim(0, top * 1.2)  # room for the labels above the bars
     axes.grid(axis="y", alpha=0.3)
     axes.set_axisbelow(True)
