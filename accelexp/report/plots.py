@@ -331,7 +331,11 @@ def amp_gain_figure(rows: Sequence[Row]) -> Any | None:
             yerr=errors,
             capsize=4,
         )
-        axes.bar_label(bars, [f"{h:.2f}×" for h in heights], padding=2, fontsize="small")
+        for bar, height, above in zip(bars, heights, errors[1], strict=True):  # over its bar
+            middle = bar.get_x() + bar.get_width() / 2
+            axes.annotate(f"{height:.2f}×", (middle, height + above), xytext=(0, 2),
+                          textcoords="offset points", ha="center", va="bottom",
+                          fontsize="small")  # fmt: skip
         top = max(top, *(h + e for h, e in zip(heights, errors[1], strict=True)))
     axes.axhline(1.0, label="fp32 (1.0×)", **REFERENCE)
     axes.set_xticks(range(len(gains)), ["\n".join(group) for group in gains])
