@@ -2,37 +2,45 @@
 
 Two identical configurations — the same training, told apart only by a tag — are one real sweep,
 `python run.py -m +mlflow.tags.side=a,b repeats=5 threads=2 epochs=2 max_steps_per_epoch=120
-...` (simple_cnn on the real Fashion-MNIST, the default data), run round-robin (a b a b ...) into
-a throwaway SQLite MLflow store. Their true ratio is 1: whatever the lab reports for b / a is its
-own noise. The sweep runs twice:
+target_accuracy=null progress=false ...` (simple_cnn on the real Fashion-MNIST, the default
+data), which the sweeper runs round-robin (a b a b ...) into a throwaway SQLite MLflow store.
+Their true ratio is 1: whatever the lab reports for b / a beyond it is its own noise. The sweep
+runs twice:
 
-1. quiet: nothing else started by this benchmark (the machine may still be shared);
+1. quiet: nothing started beside it by this benchmark (the machine may still be shared);
 2. hogged: while the jobs of the odd repeats (1, 3, ...) of both sides run, a CPU hog — one
-   busy-loop process per `--hog-cores` (default 1 of the 2 cores) — started by this benchmark
-   when the job's folder `<sweep dir>/<job number>/` appears (Hydra makes it as the job starts)
-   and killed when the next job's does (or the sweep writes its report, or ends). The hog stops
-   itself at a deadline and when its parent goes away, and is killed in a `finally` too. The even
-   repeats stay hog-free on both sides, so pairs of clean runs remain when the flagged ones are
-   set aside.
+   busy-loop process per `--hog-cores` (default 1 of the 2 cores) — started when the job's
+   folder `<sweep dir>/<job number>/` appears (Hydra makes it as the job starts, before its
+   `.hydra` files) and killed when the next job's does (or the sweep starts its report, or
+   ends). The hog stops itself at a deadline and when its parent goes away, and is killed in a
+   `finally` too. The even repeats stay hog-free on both sides, so pairs of clean runs remain
+   when the flagged ones are set aside.
 
 `threads=2` (all cores, torch's own default here): the realistic "someone shares your machine"
 case is a run sized for the whole machine that a neighbour takes a core from; its intra-op
-threads then wait on the one that shares a core. With threads=1 a one-core hog would sit on the
+threads then wait for the one that shares a core. With threads=1 a one-core hog would sit on the
 idle core, and only the probe's "no free core left" rule would tell.
+
+Beside the jobs' own probe (`accelexp.diagnosis.noise`), the benchmark keeps an independent
+account each second: the host's busy time (/proc/stat) less the CPU time of the sweep's processes,
+of the hogs and of itself is what someone else used (`outside`, cores: mean over the job / peak
+over 5 s). It tells a flag without a hog that was right (another tenant) from a false alarm.
 
 For each condition it prints, from the store (`accelexp.tracking.query`): every run — side,
 repeat, hogged, throughput with its 95 % batch-means interval (`accelexp.report.compare`), the
-`noise` tag and the probe's per-epoch figures, the job's wall and CPU time (the sweep process's
-CPU time sampled at each job's start: one process runs every job), the hog's CPU time; the A/A
-ratio b / a paired by repeat index (`accelexp.stats.ratio`), over all runs and with the pairs
-where either side is flagged contended set aside, whether each interval holds 1.00 and its
-half-width; the share of hogged runs flagged (goal >= 90 %) and of un-hogged runs flagged (false
-alarms); and the goals, PASS or FAIL: quiet, the interval holds 1.00 and is within +-5 %;
-hogged, >= 90 % of hogged runs flagged and the reported ratio (contended set aside) holds 1.00.
+`noise` tag and the probe's per-epoch figures (`noise/*`), the job's wall and CPU time (the sweep
+is one process: its CPU time read at each job's start), the hog's CPU time, the outside load;
+the whole sweep's wall and CPU time (its rusage); the A/A ratio b / a paired by repeat index
+(`accelexp.stats.ratio`), over all pairs and with the pairs where either side is flagged
+contended set aside, whether each interval holds 1.00 and its half-width; the share of hogged
+runs flagged and of un-hogged runs flagged; and the goals, PASS or FAIL: quiet, the reported
+interval holds 1.00 and is within ±5 %; hogged, ≥ 90 % of the hogged runs flagged and the
+reported ratio (contended set aside) holds 1.00.
 
     python benchmarks/noise.py                          # both conditions, 5 repeats (~10 min)
-    python benchmarks/noise.py --repeats 2 --steps 30   # a quick check
+    python benchmarks/noise.py --repeats 2 --steps 30   # a quick check (~3 min)
     python benchmarks/noise.py --only hogged --keep     # keep the store: mlflow ui ...
+    python benchmarks/noise.py --order b,a              # b first in each round: a position bias?
 """
 
 from __future__ import annotations
@@ -63,7 +71,10 @@ from accelexp.tracking.query import RunRecord
 
 REPO = Path(__file__).resolve().parents[1]
 SIDES = ("a", "b")
-POLL_S = 0.05
+POLL_S = 0.05  # how often the sweep's folder is looked at for the next job
+SAMPLE_S = 1.0  # how often the monitor samples who kept the host busy
+PEAK_WINDOW_S = 5.0  # the outside load's peak: over windows of at least this
+OUTSIDE_SEEN = 0.25  # cores of outside load that make a flag without a hog a true one
 HOG_DEADLINE_S = 300.0  # a hog stops itself after this, whatever happens to the benchmark
 HALFWIDTH_GOAL = 0.05  # quiet: the A/A interval within +-5 %
 FLAGGED_GOAL = 0.90  # hogged: share of hogged runs flagged contended
@@ -109,6 +120,16 @@ class Hog:
             process.returncode = os.waitstatus_to_exitcode(status)
             self.cpu_s += cpu_seconds(usage)
 
+    def live_cpu(self) -> float:
+        """CPU seconds of its processes so far (those stopped: as reaped)."""
+        total = self.cpu_s
+        for process in self.processes:
+            if process.returncode is None:
+                with contextlib.suppress(psutil.Error):
+                    t = psutil.Process(process.pid).cpu_times()
+                    total += t.user + t.system
+        return total
+
 
 @dataclass
 class Job:
@@ -118,6 +139,8 @@ class Job:
     hogged: bool
     wall_s: float = 0.0
     cpu_s: float = 0.0
+    outside_mean: float = math.nan  # cores others kept busy: mean over the job (`Monitor`)
+    outside_peak: float = math.nan  # ... highest over any PEAK_WINDOW_S of it
     hog: Hog | None = None
 
 
@@ -132,7 +155,7 @@ class Sweep:
 
 def sweep_command(args: argparse.Namespace, store: Path, condition: str) -> list[str]:
     return [
-        sys.executable, "run.py", "-m", "+mlflow.tags.side=" + ",".join(SIDES),
+        sys.executable, "run.py", "-m", f"+mlflow.tags.side={','.join(args.order)}",
         f"repeats={args.repeats}", f"epochs={args.epochs}", f"max_steps_per_epoch={args.steps}",
         f"threads={args.threads}", "target_accuracy=null", "progress=false",
         f"mlflow.tracking_uri={uri(store)}", f"mlflow.experiment=aa-{condition}",
@@ -147,11 +170,11 @@ def uri(store: Path) -> str:
 def run_sweep(args: argparse.Namespace, store: Path, condition: str) -> Sweep:
     """One sweep, its jobs watched: a job starts when Hydra makes its folder `<dir>/<number>`."""
     sweep_dir = store / condition
-    # the sweeper's order: round r runs side a then side b (accelexp.sweeper.repeated)
+    # the sweeper's order: each round runs the sides as given (accelexp.sweeper.repeated)
     jobs = [
-        Job(r * len(SIDES) + i, side, r, condition == "hogged" and r % 2 == 1)
+        Job(r * len(args.order) + i, side, r, condition == "hogged" and r % 2 == 1)
         for r in range(args.repeats)
-        for i, side in enumerate(SIDES)
+        for i, side in enumerate(args.order)
     ]
     log = store / f"{condition}.log"
     command = sweep_command(args, store, condition)
@@ -159,34 +182,33 @@ def run_sweep(args: argparse.Namespace, store: Path, condition: str) -> Sweep:
     started = time.perf_counter()
     with log.open("w") as out:
         sweep = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
-    me = psutil.Process(sweep.pid)
-    marks: list[tuple[float, float]] = []  # (wall, sweep's CPU) at each job's start
-    end: tuple[float, float] | None = None  # ... when the sweep's report began: jobs are over
-    hog: Hog | None = None
+    monitor = Monitor(sweep.pid)
+    monitor.sample()
+    marks: list[int] = []  # the monitor's sample at each job's start, then at the jobs' end
     pid = 0
     try:
         while True:
             pid, status, usage = os.wait4(sweep.pid, os.WNOHANG)
             if pid != 0:
                 break
-            now, k = time.perf_counter(), len(marks)
+            k = len(marks)
             if k < len(jobs) and (sweep_dir / str(k)).is_dir():  # job k started
-                if hog is not None:
-                    hog.stop()
-                marks.append((now, sweep_cpu(me)))
+                monitor.stop_hog()
+                marks.append(monitor.sample())
                 job = jobs[k]
-                hog = job.hog = Hog.start(args.hog_cores, args.hog_deadline) if job.hogged else None
+                if job.hogged:
+                    job.hog = monitor.start_hog(args.hog_cores, args.hog_deadline)
                 print(f"  job {k}: side {job.side} repeat {job.repeat}"
                       + (" + hog" if job.hogged else ""), flush=True)  # fmt: skip
                 continue
-            if k == len(jobs) and end is None and (sweep_dir / "report").exists():
-                if hog is not None:
-                    hog.stop()
-                end = now, sweep_cpu(me)
+            if k == len(jobs) and (sweep_dir / "report").exists():  # the jobs are over
+                monitor.stop_hog()
+                marks.append(monitor.sample())
+            elif time.perf_counter() - monitor.samples[-1][0] >= SAMPLE_S:
+                monitor.sample()
             time.sleep(POLL_S)
     finally:
-        if hog is not None:
-            hog.stop()
+        monitor.stop_hog()
         if pid == 0:  # interrupted: the sweep is still running
             with contextlib.suppress(ProcessLookupError):
                 sweep.send_signal(signal.SIGINT)  # let it close its runs
@@ -198,18 +220,78 @@ def run_sweep(args: argparse.Namespace, store: Path, condition: str) -> Sweep:
     wall = time.perf_counter() - started
     sweep.returncode = code = os.waitstatus_to_exitcode(status)
     total_cpu = cpu_seconds(usage)
-    marks.append(end or (started + wall, total_cpu))  # no report seen: the end is the exit
-    for job, (t0, c0), (t1, c1) in zip(jobs, marks, marks[1:], strict=False):
-        job.wall_s, job.cpu_s = t1 - t0, c1 - c0
+    if len(marks) <= len(jobs):  # no report seen: the last job's end is the sweep's exit
+        marks.append(monitor.sample(sweep_cpu=total_cpu))
+    for job, start, end in zip(jobs, marks, marks[1:], strict=False):
+        monitor.describe(job, start, end)
     return Sweep(jobs, wall, total_cpu, code, log)
 
 
-def sweep_cpu(process: psutil.Process) -> float:
-    """CPU seconds of the sweep's process (and its reaped children) so far."""
-    with contextlib.suppress(psutil.Error):
-        times = process.cpu_times()
-        return times.user + times.system + times.children_user + times.children_system
-    return math.nan
+def host_busy() -> float:
+    """CPU seconds the host's CPUs were busy since boot, as the probe counts (no idle, steal)."""
+    user, nice, system, _, _, irq, softirq = map(int, Path("/proc/stat").read_text().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu(process: psutil.Process) -> float:
+    """CPU seconds of a process, its reaped children and its live descendants; NaN: gone."""
+    try:
+        tree = [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return math.nan
+    total = 0.0
+    for member in tree:
+        with contextlib.suppress(psutil.Error):
+            t = member.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+class Monitor:
+    """Who kept the host busy, sampled about each second, independently of the jobs' probe: the
+    sweep's processes, the hogs, this benchmark, and the rest — `outside`, what neither this
+    benchmark nor its sweep started (someone else sharing the machine)."""
+
+    def __init__(self, sweep_pid: int) -> None:
+        self.sweep = psutil.Process(sweep_pid)
+        self.hog: Hog | None = None
+        self.hogs_done = 0.0  # CPU seconds of the hogs stopped
+        self.samples: list[tuple[float, float, float]] = []  # (wall, sweep CPU, outside CPU)
+
+    def start_hog(self, cores: int, deadline_s: float) -> Hog:
+        self.hog = Hog.start(cores, deadline_s)
+        return self.hog
+
+    def stop_hog(self) -> None:
+        if self.hog is not None:
+            self.hog.stop()
+            self.hogs_done += self.hog.cpu_s
+            self.hog = None
+
+    def sample(self, sweep_cpu: float | None = None) -> int:
+        """Take a sample (`sweep_cpu` given: the sweep has exited, its rusage); its index."""
+        now, busy = time.perf_counter(), host_busy()
+        sweep = tree_cpu(self.sweep) if sweep_cpu is None else sweep_cpu
+        if math.isnan(sweep):  # gone between the poll and now: its last figure
+            sweep = self.samples[-1][1] if self.samples else 0.0
+        hogs = self.hogs_done + (self.hog.live_cpu() if self.hog is not None else 0.0)
+        mine = sum(os.times()[:2])
+        self.samples.append((now, sweep, busy - sweep - hogs - mine))
+        return len(self.samples) - 1
+
+    def describe(self, job: Job, start: int, end: int) -> None:
+        """The job's wall and CPU time, and the outside load: its mean over the job, and its
+        peak over any `PEAK_WINDOW_S` of it."""
+        (t0, c0, o0), (t1, c1, o1) = self.samples[start], self.samples[end]
+        job.wall_s, job.cpu_s = t1 - t0, c1 - c0
+        job.outside_mean = (o1 - o0) / job.wall_s if job.wall_s > 0 else math.nan
+        window, peaks = self.samples[start : end + 1], []
+        for i, (ta, _, oa) in enumerate(window):
+            later = [(tb, ob) for tb, _, ob in window[i + 1 :] if tb - ta >= PEAK_WINDOW_S]
+            if later:
+                tb, ob = later[0]
+                peaks.append((ob - oa) / (tb - ta))
+        job.outside_peak = max(peaks, default=job.outside_mean)
 
 
 @dataclass
@@ -256,7 +338,7 @@ def print_runs(runs: list[Run]) -> None:
     print(
         f"{'side':<5}{'rep':>4}{'hog':>5}  {'throughput img/s (95 %)':<26}{'±%':>6}  "
         f"{'noise':<10}{'others':>11}{'cpu_util':>11}{'spread':>11}{'steal':>11}"
-        f"{'wall s':>8}{'cpu s':>8}{'hog cpu':>8}"
+        f"{'wall s':>8}{'cpu s':>8}{'hog cpu':>8}{'outside':>11}"
     )
     for run in runs:
         job, e = run.job, run.estimate
@@ -272,6 +354,7 @@ def print_runs(runs: list[Run]) -> None:
             f"{per_epoch(run.probe['step_spread'], '{:.1f}'):>11}"
             f"{per_epoch(run.probe['steal'], '{:.2f}'):>11}"
             f"{job.wall_s:>8.1f}{job.cpu_s:>8.1f}{hog_cpu:>8}"
+            f"{per_epoch([max(0.0, job.outside_mean), max(0.0, job.outside_peak)], '{:.2f}'):>11}"
         )
 
 
@@ -300,6 +383,11 @@ def describe(e: Estimate | None) -> str:
     width = f"±{100 * half:.1f} %" if half is not None else "no interval"
     holds = "holds 1.00" if e.contains(1.0) else "EXCLUDES 1.00"
     return f"{stats.format_estimate(e, '{:.3f}', '×')}  {width}  {holds}  [{e.method or '-'}]"
+
+
+def outsider(run: Run) -> bool:
+    """Whether the benchmark's own monitor saw others keep the host busy during the job."""
+    return run.job.outside_peak >= OUTSIDE_SEEN
 
 
 def share(flags: list[bool]) -> tuple[float | None, str]:
@@ -335,14 +423,25 @@ def report(condition: str, sweep: Sweep, runs: list[Run]) -> list[tuple[str, boo
             print(f"hogged / hog-free throughput (medians): {slowdown:.2f}")
     caught, caught_text = share([r.contended for r in hogged])
     _, alarms_text = share([r.contended for r in free])
+    _, false_text = share([r.contended and not outsider(r) for r in free])
     if hogged:
         print(f"hogged runs flagged contended: {caught_text}")
-    print(f"un-hogged runs flagged contended (false alarms): {alarms_text}")
+    print(
+        f"un-hogged runs flagged contended: {alarms_text}; false alarms (no outside load "
+        f"≥ {OUTSIDE_SEEN} cores seen by this benchmark either): {false_text}"
+    )
     for r in runs:
         if r.job.hog is not None and r.job.hog.ended_early:
             print(f"  {r.job.side} r{r.job.repeat}: its hog stopped at its deadline, early")
         if r.contended != r.job.hogged:
-            what = "flagged without a hog" if r.contended else "hogged, not flagged"
+            if r.contended:
+                what = "flagged without a hog" + (
+                    f", outside load up to {r.job.outside_peak:.2f} cores"
+                    if outsider(r)
+                    else ", no outside load seen: a false alarm"
+                )
+            else:
+                what = "hogged, not flagged"
             evidence = r.record.tags.get("noise_evidence", "")
             print(f"  {r.job.side} r{r.job.repeat}: {what}: {evidence}")
     goals = []
@@ -354,7 +453,7 @@ def report(condition: str, sweep: Sweep, runs: list[Run]) -> list[tuple[str, boo
             and (e.relative_halfwidth() or 1.0) <= HALFWIDTH_GOAL
             and len(runs) == len(sweep.jobs)
         )
-        also = "" if every is clean else f" (all pairs: {describe(every)})"
+        also = "" if every == clean else f" (all pairs: {describe(every)})"
         goals.append((f"quiet: reported A/A {describe(e)}; goal holds 1.00, ≤ ±5 %{also}", ok))
     else:
         ok = caught is not None and caught >= FLAGGED_GOAL
@@ -375,15 +474,20 @@ def main() -> None:
     parser.add_argument("--hog-cores", type=int, default=1, help="busy-loop processes")
     parser.add_argument("--hog-deadline", type=float, default=HOG_DEADLINE_S, help="seconds")
     parser.add_argument("--only", choices=("quiet", "hogged"))
+    parser.add_argument("--order", default="a,b", help="the sides' order in each round")
     parser.add_argument("--keep", action="store_true", help="keep the MLflow store")
     args = parser.parse_args()
+    args.order = args.order.split(",")
+    if sorted(args.order) != sorted(SIDES):
+        parser.error(f"--order: the sides {','.join(SIDES)} in some order")
     conditions = [args.only] if args.only else ["quiet", "hogged"]
     store = Path(tempfile.mkdtemp(prefix="accelexp-aa-"))
     cores = len(os.sched_getaffinity(0))
     print(
         f"A/A test: simple_cnn on Fashion-MNIST, epochs={args.epochs} steps/epoch={args.steps} "
         f"threads={args.threads} repeats={args.repeats}, {cores} cores, hog "
-        f"{args.hog_cores} busy core(s) during the odd repeats; store {store}"
+        f"{args.hog_cores} busy core(s) during the odd repeats, sides in the order "
+        f"{','.join(args.order)}; store {store}"
     )
     results: dict[str, tuple[Sweep, list[Run]]] = {}
     goals: list[tuple[str, bool]] = []

@@ -80,6 +80,9 @@ PRECISION_KEYS = re.compile(r"precision(\..+)?")
 SPEEDUP_VARIES = re.compile(rf"parallelism(\..+)?|{PRECISION_KEYS.pattern}|{WORLD_FACTS.pattern}")
 AMP_VARIES = PRECISION_KEYS
 SHOWN_DIFFERENCES = 4  # differences a note names, then "and N more"
+# a ratio with a single run on a side: its interval knows that run's own noise only, and a
+# shared machine drifts between runs by more (benchmarks/noise.py: ±12 % A/A on 5 pairs)
+WITHIN_RUN = "interval from noise within single runs only: repeats=3 measures run-to-run drift"
 
 
 class BaselineError(AccelexpError):
@@ -496,6 +499,8 @@ class _Comparison:
             row.baseline_run = base.name()
             speedup = ratio(grouped, base)
             row.set("speedup", speedup)
+            if speedup.method == "delta (log)":
+                notes.append(WITHIN_RUN)
             base_world = world_size(base.first)
             if row.world_size and base_world:
                 efficiency = stats.efficiency(speedup, row.world_size / base_world)
@@ -509,7 +514,10 @@ class _Comparison:
                 "no finished fp32 run to take an AMP gain over",
             )  # fmt: skip
             if fp32 is not None:
-                row.set("amp_gain", ratio(grouped, fp32))
+                gain = ratio(grouped, fp32)
+                row.set("amp_gain", gain)
+                if gain.method == "delta (log)" and WITHIN_RUN not in notes:
+                    notes.append(WITHIN_RUN)
             else:
                 notes.append(note)
         row.note = "; ".join(notes)
