@@ -6,9 +6,9 @@ machine's noise falls on both alike; each side's median over the repeats is repo
 time and in process CPU time, with the ratio accelexp / plain (target: <= 1.03). The loader-only
 line is accelexp's data path alone (gather, augment, normalise), to show data is not the
 bottleneck. The `unaccounted` side is accelexp's epoch with its time accounting switched off
-(`accelexp.diagnosis.accounting.StepClock` replaced by one that does nothing): the ratio
-accelexp / unaccounted is what the always-on accounting costs (target: <= 1.01); the accounting's
-cost per step is also timed on its own, against the median step.
+(`accelexp.diagnosis.accounting.StepClock` and the contention probe replaced by ones that do
+nothing): the ratio accelexp / unaccounted is what the always-on accounting costs (target:
+<= 1.01); the accounting's cost per step is also timed on its own, against the median step.
 
     python benchmarks/overhead.py                    # fp32 and amp, simple_cnn, synthetic data
     python benchmarks/overhead.py --repeats 7 --steps 60 --precisions fp32
@@ -30,6 +30,7 @@ from torch.utils.data import RandomSampler
 from accelexp.config import register_configs
 from accelexp.data import BatchLoader, build_data, resolve_on_device
 from accelexp.diagnosis.accounting import Breakdown, StepClock
+from accelexp.diagnosis.noise import NoiseSample
 from accelexp.engine import Trainer
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
@@ -101,6 +102,19 @@ class NoClock:
     def stop(self, comm=None) -> Breakdown:
         return Breakdown()
 
+    def step_seconds(self) -> list[float]:
+        return []
+
+
+class NoProbe:
+    """A ContentionProbe that samples nothing: the loop without the noise figures."""
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, step_seconds) -> NoiseSample:
+        return NoiseSample(0.0, None, None, 1, None, None, None)
+
 
 def accounting_seconds_per_step(device: torch.device, steps: int = 20000) -> float:
     """One step's accounting (five phase marks) timed on its own: the best of 5 runs."""
@@ -130,7 +144,7 @@ def compare(precision, args, cfg, data, strategy, fresh, images, labels) -> None
         scheduler = build_scheduler(cfg.scheduler, optimizer, args.steps, 1)
         trainer = Trainer(model, optimizer, scheduler, precision, strategy, args.steps, 20, False)
         if not accounting:
-            trainer.clock = NoClock()
+            trainer.clock, trainer.probe = NoClock(), NoProbe()
         trainer.train_epoch(loader, epoch=1)
 
     def plain_epoch():
