@@ -5,6 +5,10 @@
 # Prepare, here, once per checkout (the device machine has torch 2.11 but no hydra, omegaconf
 # or mlflow, and no internet):
 #   bash ../shared/gpu/wheelhouse.sh        # fills ./.whl (~35 MB of wheels for Python 3.12)
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux2014_x86_64 -d .whl nvidia-ml-py   # the noise probe's NVML figures
+#   # (accelexp.stats needs scipy: the versions step prints it; add its wheel the same way if
+#   #  the device lacks it, `--platform manylinux_2_27_x86_64 scipy`)
 #   echo /.whl/ >> .git/info/exclude        # keep them out of git; they travel by `carry`
 #   DRY_RUN=1 bash scripts/gpu_session.sh   # prints the steps and their time limits, runs nothing
 # Then make exactly this device call (the `run` tool), once:
@@ -92,7 +96,8 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} # accelexp from the checkout, 
 if [[ -z $DRY_RUN ]]; then
     { nvidia-smi || echo "nvidia-smi failed"; } 2>&1 | tee -a "$OUT/session.log"
 fi
-step versions session.log 60 "$PY" -c "import torch, hydra, omegaconf, mlflow
+step versions session.log 60 "$PY" -c "import torch, hydra, omegaconf, mlflow, scipy
+print('scipy', scipy.__version__)
 print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'cuDNN', torch.backends.cudnn.version())
 print('GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 print('hydra', hydra.__version__, 'omegaconf', omegaconf.__version__, 'mlflow', mlflow.__version__)"
