@@ -31,6 +31,7 @@ from accelexp.launch import launch
 from accelexp.parallel.world import free_port
 from accelexp.report import LADDER, RUNS, LadderRow, Row, compare
 from accelexp.report.html import write_html
+from accelexp.stats import Estimate, format_estimate
 from accelexp.tracking import query
 
 TINY = (
@@ -401,7 +402,9 @@ def test_the_sweeps_html_report_opens_in_the_mlflow_ui(mlflow_server, grid_sweep
         metrics = child.data.metrics
         assert row["best val acc"] == RUNS.cell("best_val_acc", metrics["best_val_acc"])
         assert row["test acc"] == RUNS.cell("test_acc", metrics["test_acc"])
-        assert float(row["samples/s"]) > 0, row
+        # its steady-state samples/s with the 95 % interval the run logged
+        logged = Estimate(*(metrics[f"throughput{end}"] for end in ("", "_low", "_high")))
+        assert row["samples/s"] == format_estimate(logged, RUNS.display["samples_per_s"]), row
     assert len(images) >= 2 and all(images), "every plot is embedded and decodes"
     assert shot.read_bytes()[:8] == PNG_MAGIC
 
