@@ -6,16 +6,18 @@ command is handled by the first rule in `RULES` that matches it; a command no ru
 its test, so a new kind of command in the docs needs a rule here. What the rules do:
 
 - `python run.py ...` composes every job of the command with Hydra (a `-m` sweep: every point of its
-  grid) and validates it with accelexp's own checks; then it runs for real into this module's MLflow
-  store, at a tiny size: `epochs=1 max_steps_per_epoch=2 threads=1 progress=false repeats=1`, the
-  synthetic set shrunk to 256 images of 16 px (other data sets keep their size), a command-line
-  sweep cut to its first two values, folders in tmp. Not run, only composed and validated, and named
-  so: a command whose comment says it `needs a GPU` / `needs N GPUs`, one on CIFAR-10 when the set
-  is not on disk (tests have no network), one pointing at a team server (an `http://` tracking URI
-  of another host), one with `...` (a pattern: your overrides go there), and Slurm
-  (`hydra/launcher=slurm` also checks that nodes x tasks per node = `parallelism.nprocs`).
-- `torchrun` / `horovodrun` on one host run for real at the same tiny size; across several hosts
-  (`--nnodes` > 1, `-H` naming other hosts) and under `srun` they are composed and validated.
+  grid) and validates it with accelexp's own checks. The README's commands, the ones a user pastes
+  first, then run for real into this module's MLflow store, at a tiny size: `epochs=1
+  max_steps_per_epoch=2 threads=1 progress=false repeats=1`, the synthetic set shrunk to 256 images
+  of 16 px (other data sets keep their size), a sweep cut to two jobs (the first two values of its
+  first swept key, the first value of the others), folders in tmp. The docs/ commands are composed
+  and validated (every mission path they show runs for real in its own test file). Not run even in
+  the README: a command whose comment says it `needs a GPU` / `needs N GPUs`, one on CIFAR-10 when
+  the set is not on disk (tests have no network), one with `...` (a pattern: your overrides go
+  there), and Slurm (`hydra/launcher=slurm` also checks that nodes x tasks per node =
+  `parallelism.nprocs`).
+- `torchrun` / `horovodrun` / `srun`: the run.py part is composed and validated (a world that
+  torchrun and horovodrun make on one host is joined for real in tests/test_parallel.py).
 - `accelexp-report ...` runs against this module's store (after a tiny sweep of the experiment it
   names, when the store has none), writing into tmp.
 - `mlflow ui` / `mlflow server` start for real on a free local port and answer `/health`; a team
@@ -203,8 +205,9 @@ class RunPy:
             options, args = args[i : i + 2], args[:i] + args[i + 2 :]
         return cls([a for a in args if not a.startswith("-")], multirun, options)
 
-    def jobs(self) -> list[list[str]]:
-        """Every job's overrides: the command line's sweep, over the study's grid (CLI wins)."""
+    def grid(self) -> tuple[list[str], dict[str, list[str]]]:
+        """The fixed overrides, and each swept key's values: the command line's sweep over the
+        study's grid (the command line wins)."""
         parsed = OverridesParser.create().parse_overrides(self.overrides)
         fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
         swept = {
@@ -214,7 +217,7 @@ class RunPy:
         }
         if not self.multirun:
             assert not swept, f"a sweep ({', '.join(swept)}) without -m"
-            return [fixed]
+            return fixed, {}
         study = _compose(fixed).hydra.sweeper.get("params") or {}
         given = {_key(o) for o in fixed} | {_key(k) for k in swept}
         grid = {
@@ -225,7 +228,11 @@ class RunPy:
             if _key(key) not in given
             for p in OverridesParser.create().parse_overrides([f"{key}={value}"])
         }
-        grid.update(swept)
+        return fixed, grid | swept
+
+    def jobs(self) -> list[list[str]]:
+        """Every job's overrides."""
+        fixed, grid = self.grid()
         points = itertools.product(*grid.values())
         return [fixed + [f"{k}={v}" for k, v in zip(grid, point, strict=True)] for point in points]
 
@@ -292,8 +299,10 @@ def executable(word: str) -> str:
     return str(BIN / name) if (BIN / name).exists() else name
 
 
-def tiny(run: RunPy, configs: list[DictConfig], store: Store) -> list[str]:
-    """The command's overrides cut to the tiny size, tracked into the module's store."""
+def run_tiny(run: RunPy, configs: list[DictConfig], store: Store) -> None:
+    """Run the command for real, its overrides cut to the tiny size and to two jobs (the first
+    two values of its first swept key, the first of the others), tracked into the module's
+    store."""
     sizes = dict(TINY)
     if all(cfg.data.name == "synthetic" for cfg in configs):
         sizes |= TINY_SYNTHETIC
@@ -302,16 +311,13 @@ def tiny(run: RunPy, configs: list[DictConfig], store: Store) -> list[str]:
     sizes["mlflow.tracking_uri"] = store.uri
     sizes["hydra.run.dir"] = str(store.folder("run"))
     sizes["hydra.sweep.dir"] = str(store.folder("sweep"))
-    kept = []
-    for parsed in OverridesParser.create().parse_overrides(run.overrides):
-        if _key(parsed.input_line) in sizes:
-            continue
-        if parsed.is_sweep_override() and not parsed.get_key_element().startswith("hydra"):
-            values = list(parsed.sweep_string_iterator())[:2]
-            kept.append(f"{parsed.get_key_element()}={','.join(values)}")
-        else:
-            kept.append(parsed.input_line)
-    return [*(["-m"] if run.multirun else []), *kept, *(f"{k}={v}" for k, v in sizes.items())]
+    fixed, grid = run.grid()
+    kept = [o for o in fixed if _key(o) not in sizes]
+    swept = [(key, values) for key, values in grid.items() if _key(key) not in sizes]
+    for i, (key, values) in enumerate(swept):
+        kept.append(f"{key}={','.join(values[: 2 if i == 0 else 1])}")
+    multirun = ["-m"] if run.multirun else []
+    run_ok([sys.executable, "run.py", *multirun, *kept, *(f"{k}={v}" for k, v in sizes.items())])
 
 
 def cifar10_on_disk(cfg: DictConfig) -> bool:
@@ -319,8 +325,15 @@ def cifar10_on_disk(cfg: DictConfig) -> bool:
     return (root / "cifar-10-batches-py").is_dir()
 
 
+def pasted_first(command: Command) -> bool:
+    """A README command: what a new user runs first, so it runs for real here."""
+    return any(place.startswith(README.name + ":") for place in command.source.split(", "))
+
+
 def not_here(command: Command, configs: list[DictConfig]) -> str | None:
-    """Why this machine cannot run the command (then it is only composed), or None."""
+    """Why the command is not run here (then it is only composed and validated), or None."""
+    if not pasted_first(command):
+        return "a docs/ command: composed and validated; its path runs in its own test"
     if NEEDS_GPU.search(command.comment):
         return "needs a GPU"
     if "..." in command.argv or PLACEHOLDER.search(command.text):
@@ -330,7 +343,7 @@ def not_here(command: Command, configs: list[DictConfig]) -> str | None:
     return None
 
 
-def check_run_py(command: Command, store: Store, launcher: list[str] | None = None) -> None:
+def check_run_py(command: Command, store: Store) -> None:
     """Compose and validate every job; run it for real at a tiny size where this machine can."""
     _, argv = command.words()
     at = argv.index("run.py")
@@ -348,39 +361,16 @@ def check_run_py(command: Command, store: Store, launcher: list[str] | None = No
                 f"parallelism.nprocs={cfg.parallelism.nprocs}"
             )
         return  # needs Slurm: composed and validated
-    if launcher is None and not_here(command, configs):
+    if not_here(command, configs):
         return
     assert command_is_slow(command) or not any(map(_many_processes, configs)), (
         f"{command.source} starts several processes or compiles: make command_is_slow() know it"
     )
-    prefix = launcher or [sys.executable]
-    run_ok([*prefix, "run.py", *tiny(run, configs, store)])
-
-
-def single_host(argv: list[str]) -> bool:
-    """A torchrun/horovodrun command line that stays on this machine."""
-    if argv[0] == "torchrun":
-        nodes = next((argv[i + 1] for i, a in enumerate(argv) if a == "--nnodes"), "1")
-        return nodes == "1"
-    hosts = next((argv[i + 1] for i, a in enumerate(argv) if a == "-H"), "localhost:1")
-    return all(h.split(":")[0] in ("localhost", "127.0.0.1") for h in hosts.split(","))
+    run_tiny(run, configs, store)
 
 
 def check_launcher(command: Command, store: Store) -> None:
-    """torchrun/horovodrun: for real on one host; composed when it needs other hosts."""
-    _, argv = command.words()
-    at = argv.index("run.py")
-    if not single_host(argv):
-        compose_and_validate(RunPy.parse(argv[at + 1 :]))  # needs several hosts
-        return
-    launcher = [executable(argv[0]), *argv[1:at]]
-    if argv[0] == "horovodrun":  # the python it starts is the word before run.py
-        launcher = [*launcher[:-1], executable(argv[at - 1])]
-    check_run_py(command, store, launcher)
-
-
-def check_srun(command: Command, store: Store) -> None:
-    """srun: needs Slurm; the run.py part is composed and validated."""
+    """torchrun/horovodrun/srun + run.py: the run.py part composed and validated."""
     _, argv = command.words()
     compose_and_validate(RunPy.parse(argv[argv.index("run.py") + 1 :]))
 
@@ -404,7 +394,8 @@ def ensure_runs(store: Store, experiment: str) -> None:
         )
     else:
         text = f"run.py -m precision=fp32,bf16 data=synthetic mlflow.experiment={experiment}"
-    check_run_py(Command(f"a sweep for {experiment}", text), store)
+    run = RunPy.parse(shlex.split(text)[1:])
+    run_tiny(run, compose_and_validate(run), store)
 
 
 def check_report(command: Command, store: Store) -> None:
@@ -526,15 +517,17 @@ class Rule:
     check: Callable[[Command, Store], None]
 
 
+RUN_PY = Rule(
+    "run.py", lambda a: a[0] in ("python", "python3") and a[1:2] == ["run.py"], check_run_py
+)
 RULES = [
     Rule("make target", lambda a: a[0] == "make", check_make),
-    Rule("run.py", lambda a: a[0] in ("python", "python3") and a[1:2] == ["run.py"], check_run_py),
+    RUN_PY,
     Rule(
         "launcher + run.py",
-        lambda a: a[0] in ("torchrun", "horovodrun") and "run.py" in a,
+        lambda a: a[0] in ("torchrun", "horovodrun", "srun") and "run.py" in a,
         check_launcher,
     ),
-    Rule("Slurm srun", lambda a: a[0] == "srun" and "run.py" in a, check_srun),
     Rule(
         "horovodrun --check-build",
         lambda a: a[:2] == ["horovodrun", "--check-build"],
@@ -562,12 +555,12 @@ def rule_for(command: Command) -> Rule | None:
 
 
 def command_is_slow(command: Command) -> bool:
-    """Starts several processes or compiles (read from the command and the study it names)."""
-    _, argv = command.words()
-    if NEEDS_GPU.search(command.comment) or argv[0] == "srun" or "launcher=slurm" in command.text:
+    """Runs here and starts several processes or compiles (read from the command and the study
+    it names)."""
+    if rule_for(command) is not RUN_PY or not pasted_first(command):
         return False  # composed only
-    if argv[0] in ("torchrun", "horovodrun") and "run.py" in argv:
-        return single_host(argv)  # several hosts: composed only
+    if NEEDS_GPU.search(command.comment) or "launcher=slurm" in command.text:
+        return False
     text = command.text
     for study in re.findall(r"\+experiment=(\w+)", text):
         path = CONF_DIR / "experiment" / f"{study}.yaml"
