@@ -7,10 +7,10 @@ model parallelism cuts into stages.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch.nn as nn
-import torchvision
 from omegaconf import DictConfig
 
 from accelexp.errors import ConfigError
@@ -47,9 +47,10 @@ def layer_sequence(model: nn.Module) -> list[tuple[str, nn.Module]]:
     a torchvision ResNet is its stem, its residual blocks one by one, and its head; a ViT (ours,
     an nn.Sequential, or torchvision's) is its patch embedding, each encoder block, and its head.
     """
-    if isinstance(model, torchvision.models.ResNet):
+    torchvision = sys.modules.get("torchvision")  # not loaded: the model is not one of its
+    if torchvision is not None and isinstance(model, torchvision.models.ResNet):
         return resnet_layers(model)
-    if isinstance(model, torchvision.models.VisionTransformer):
+    if torchvision is not None and isinstance(model, torchvision.models.VisionTransformer):
         return vit_b16_layers(model)
     if isinstance(model, nn.Sequential):
         layers = []

@@ -10,11 +10,14 @@ head start from scratch.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-import torchvision
 from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    import torchvision
 
 from accelexp.errors import AccelexpError
 
@@ -22,6 +25,8 @@ from accelexp.errors import AccelexpError
 def cached_weights(arch: str):
     """torchvision's default weights of `arch`, when already in torch's hub cache (no download
     at run time); an `AccelexpError` saying where to put the file otherwise."""
+    import torchvision  # here, not at import: it loads torch._dynamo (1.3 s a process)
+
     weights = torchvision.models.get_model_weights(arch).DEFAULT
     cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(weights.url).name
     if not cached.is_file():
@@ -38,6 +43,8 @@ def build_resnet(
     arch: str, cfg: DictConfig, in_channels: int, num_classes: int, image_size: int
 ) -> nn.Module:
     weights = cached_weights(arch) if cfg.pretrained else None
+    import torchvision
+
     model = torchvision.models.get_model(arch, weights=weights)
     small = image_size <= cfg.small_input_max_size
     if small:

@@ -16,12 +16,15 @@ it as the same three kinds of layer. A patch that does not divide the image is a
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torchvision
 from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    import torchvision
 
 from accelexp.errors import ConfigError
 from accelexp.models.resnet import cached_weights
@@ -234,6 +237,8 @@ def build_vit_b_16(
                 f"model.pretrained=false or 224 px RGB data."
             )
         weights = cached_weights("vit_b_16")
+    import torchvision  # here, not at import: it loads torch._dynamo (1.3 s a process)
+
     model = torchvision.models.vit_b_16(weights=weights, image_size=image_size)
     if in_channels != 3:
         hidden = model.hidden_dim
