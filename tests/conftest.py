@@ -12,10 +12,16 @@ writes into a store of its own and none sees another's runs.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.util
+import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -130,6 +136,60 @@ def run_cli(*args: str, tmp_path: Path | None = None) -> subprocess.CompletedPro
         text=True,
         timeout=300,
     )
+
+
+@functools.cache
+def _entry_point() -> types.ModuleType:
+    """The repository's run.py as a module (importing it registers the configs and --help).
+    Its task function is given `__main__` as its module, as under `python run.py`: Hydra finds
+    `conf/` beside the file then (it reads the config path of a named module as a package's)."""
+    spec = importlib.util.spec_from_file_location("accelexp_run_py", REPO / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main.__wrapped__.__module__ = "__main__"
+    return module
+
+
+def run_here(capfd: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+    """`python run.py ARGS` in this process: run.py's `main` through `startup.run_main`, as its
+    `__main__` does, with what the process would change put back afterwards (argv, environment,
+    working folder, torch's threads, signal handlers, logging, Hydra's global state). For the many cases that end
+    before training (bad input); the output is captured at the file descriptors."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from accelexp import startup
+
+    saved = (sys.argv, dict(os.environ), os.getcwd(), torch.get_num_threads())
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    loggers = {name: logging.getLogger(name) for name in ("", "accelexp")}
+    logging_state = {name: (lg.handlers[:], lg.level) for name, lg in loggers.items()}
+    for key in [k for k in os.environ if k.startswith(("HYDRA_", "MLFLOW_"))]:
+        del os.environ[key]
+    sys.argv = [str(REPO / "run.py"), *args]
+    capfd.readouterr()
+    try:
+        with contextlib.chdir(REPO):
+            try:
+                code = startup.run_main(_entry_point().main)
+            except SystemExit as exit:
+                code = exit.code if isinstance(exit.code, int) else (exit.code is not None)
+    finally:
+        sys.argv = saved[0]
+        os.environ.clear()
+        os.environ.update(saved[1])
+        os.chdir(saved[2])
+        torch.set_num_threads(saved[3])  # threads=N sets the process's
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        for name, (kept, level) in logging_state.items():
+            for handler in loggers[name].handlers:
+                if handler not in kept:
+                    handler.close()
+            loggers[name].handlers[:] = kept
+            loggers[name].setLevel(level)
+        GlobalHydra.instance().clear()
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(args, int(code), out, err)
 
 
 def final_params(output_dir: Path) -> dict[str, torch.Tensor]:

@@ -2,11 +2,12 @@
 unset or misspelled value of each key (and of Hydra's own options) exits non-zero, names what is
 wrong, and prints no Python traceback.
 
-Each case is a real `python run.py` subprocess on a tiny synthetic run; nearly all fail in
-validation or in the checks before training, so a case costs about Python's and torch's start.
-The subprocess timeout only guards against a hang. Values tests/test_config.py and
-tests/test_cli.py already try (epochs=0, device=tpu, data.batch_size=0, model=foo, ...) are not
-repeated here.
+Each case runs run.py's `main` in this process (`conftest.run_here`: what the process does, its
+global state put back after); nearly all fail in validation or in the checks before training.
+`SUBPROCESS` cases also run as a real `python run.py` process, one of each kind of failure
+(Hydra's parser, a config check, a folder Hydra cannot make, a sweep), where the timeout only
+guards against a hang. Values tests/test_config.py and tests/test_cli.py already try (epochs=0,
+device=tpu, data.batch_size=0, model=foo, ...) are not repeated here.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, output_of, run_cli
+from conftest import REPO, output_of, run_cli, run_here
 from omegaconf import OmegaConf
 
 from accelexp.config import ConfigError
@@ -166,13 +167,27 @@ def command(overrides: list[str], tmp_path: Path, tracking_uri: str) -> list[str
     return [*flags, *(f"{k}={v}" for k, v in defaults.items() if k not in keys), *given]
 
 
-@pytest.mark.parametrize(("overrides", "named"), CASES)
-def test_bad_input_is_one_clear_message(overrides, named, tmp_path, tracking_uri):
-    result = run_cli(*command(overrides, tmp_path, tracking_uri))  # its timeout: a hang guard
+def assert_one_clear_message(result: subprocess.CompletedProcess, named: str) -> None:
     text = output_of(result)
     assert result.returncode != 0, text
     assert "Traceback" not in text, text
     assert named in text, f"the message does not name {named!r}:\n{text}"
+
+
+@pytest.mark.parametrize(("overrides", "named"), CASES)
+def test_bad_input_is_one_clear_message(overrides, named, tmp_path, tracking_uri, capfd):
+    assert_one_clear_message(run_here(capfd, *command(overrides, tmp_path, tracking_uri)), named)
+
+
+SUBPROCESS = ["--foo", "epoch=1", "optimizer.lr=nan", "hydra.run.dir=/proc/forbidden", "-m seed=-1"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"), [c for c in CASES if " ".join(c.values[0]) in SUBPROCESS]
+)
+def test_bad_input_in_a_real_process_is_one_clear_message(overrides, named, tmp_path, tracking_uri):
+    result = run_cli(*command(overrides, tmp_path, tracking_uri))  # its timeout: a hang guard
+    assert_one_clear_message(result, named)
 
 
 def test_hydra_full_error_still_shows_the_traceback(tmp_path):
