@@ -153,8 +153,8 @@ def _entry_point() -> types.ModuleType:
 def run_here(capfd: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
     """`python run.py ARGS` in this process: run.py's `main` through `startup.run_main`, as its
     `__main__` does, with what the process would change put back afterwards (argv, environment,
-    working folder, torch's threads, signal handlers, logging, Hydra's global state). For the many cases that end
-    before training (bad input); the output is captured at the file descriptors."""
+    working folder, torch's threads, signal handlers, logging, Hydra's global state). For the
+    many cases that end before training (bad input); output is captured at the descriptors."""
     from hydra.core.global_hydra import GlobalHydra
 
     from accelexp import startup
