@@ -150,7 +150,9 @@ def _entry_point() -> types.ModuleType:
     return module
 
 
-def run_here(capfd: pytest.CaptureFixture[str], *args: str) -> subprocess.CompletedProcess:
+def run_here(
+    capfd: pytest.CaptureFixture[str], *args: str, tmp_path: Path | None = None
+) -> subprocess.CompletedProcess:
     """`python run.py ARGS` in this process: run.py's `main` through `startup.run_main`, as its
     `__main__` does, with what the process would change put back afterwards (argv, environment,
     working folder, torch's threads, signal handlers, logging, Hydra's global state). For the
@@ -165,7 +167,8 @@ def run_here(capfd: pytest.CaptureFixture[str], *args: str) -> subprocess.Comple
     logging_state = {name: (lg.handlers[:], lg.level) for name, lg in loggers.items()}
     for key in [k for k in os.environ if k.startswith(("HYDRA_", "MLFLOW_"))]:
         del os.environ[key]
-    sys.argv = [str(REPO / "run.py"), *args]
+    extra = [f"hydra.run.dir={tmp_path / 'job'}"] if tmp_path is not None else []
+    sys.argv = [str(REPO / "run.py"), *args, *extra]
     capfd.readouterr()
     try:
         with contextlib.chdir(REPO):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import CONF_DIR, group_options, new_store, output_of, run_cli
+from conftest import CONF_DIR, group_options, new_store, output_of, run_cli, run_here
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
@@ -120,8 +120,14 @@ def test_help_fits_in_100_columns(help_text):
     assert [line for line in help_text.splitlines() if len(line) > 100] == []
 
 
-def test_unknown_key(tmp_path):
-    text = assert_clean_failure(run_cli("model.foo=1", tmp_path=tmp_path))
+@pytest.fixture
+def cli(capfd):
+    """`run.py ARGS` in this process (conftest.run_here): these failures end before training."""
+    return lambda *args, tmp_path=None: run_here(capfd, *args, tmp_path=tmp_path)
+
+
+def test_unknown_key(tmp_path, cli):
+    text = assert_clean_failure(cli("model.foo=1", tmp_path=tmp_path))
     assert "model.foo" in text
 
 
@@ -133,8 +139,8 @@ def test_unknown_key(tmp_path):
         ("+data.num_train=100", "data.num_train applies only to data=synthetic"),
     ],
 )
-def test_a_key_added_with_plus_that_nothing_reads_exits_2(tmp_path, override, message):
-    result = run_cli(override, f"mlflow.tracking_uri=sqlite:///{tmp_path}/m.db", tmp_path=tmp_path)
+def test_a_key_added_with_plus_that_nothing_reads_exits_2(tmp_path, override, message, cli):
+    result = cli(override, f"mlflow.tracking_uri=sqlite:///{tmp_path}/m.db", tmp_path=tmp_path)
     text = assert_clean_failure(result)
     assert result.returncode == 2, text
     assert text.count("is not a key") + text.count("applies only") == 1, text  # one message
@@ -142,8 +148,8 @@ def test_a_key_added_with_plus_that_nothing_reads_exits_2(tmp_path, override, me
     assert not (tmp_path / "job" / "checkpoints").exists()  # nothing trained
 
 
-def test_a_sweep_study_without_m_says_to_use_m(tmp_path):
-    text = assert_clean_failure(run_cli("+experiment=amp_vs_fp32", tmp_path=tmp_path))
+def test_a_sweep_study_without_m_says_to_use_m(tmp_path, cli):
+    text = assert_clean_failure(cli("+experiment=amp_vs_fp32", tmp_path=tmp_path))
     assert "This study is a sweep (precision=fp32,amp,bf16): run it with -m" in text
     assert "python run.py -m +experiment=amp_vs_fp32" in text
     assert not (tmp_path / "job" / "checkpoints").exists()  # nothing trained
@@ -158,8 +164,8 @@ def test_one_job_of_a_study_picks_every_swept_key(tmp_path):
         check_one_job_of_a_study(sweep, ["+experiment=speedups"])
 
 
-def test_the_hint_names_the_key_that_failed(tmp_path):
-    text = assert_clean_failure(run_cli("data.batch_size=0", tmp_path=tmp_path))
+def test_the_hint_names_the_key_that_failed(tmp_path, cli):
+    text = assert_clean_failure(cli("data.batch_size=0", tmp_path=tmp_path))
     assert "e.g. `python run.py data.batch_size=...`" in text
 
 
@@ -181,8 +187,8 @@ def test_piped_output_has_no_progress_bar_frames(tmp_path):
     assert "Trained in " in text
 
 
-def test_unknown_group_option_lists_the_available_ones(tmp_path):
-    text = assert_clean_failure(run_cli("model=foo", tmp_path=tmp_path))
+def test_unknown_group_option_lists_the_available_ones(tmp_path, cli):
+    text = assert_clean_failure(cli("model=foo", tmp_path=tmp_path))
     assert "model/foo" in text or "model=foo" in text
     assert "Available options" in text
     for group, option in group_options():
@@ -190,14 +196,14 @@ def test_unknown_group_option_lists_the_available_ones(tmp_path):
             assert option in text
 
 
-def test_wrong_type(tmp_path):
-    text = assert_clean_failure(run_cli("epochs=abc", tmp_path=tmp_path))
+def test_wrong_type(tmp_path, cli):
+    text = assert_clean_failure(cli("epochs=abc", tmp_path=tmp_path))
     assert "epochs" in text
     assert "abc" in text
 
 
-def test_out_of_range_value_exits_2_and_names_the_key(tmp_path):
-    result = run_cli(
+def test_out_of_range_value_exits_2_and_names_the_key(tmp_path, cli):
+    result = cli(
         "data.batch_size=0",
         f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
         tmp_path=tmp_path,
@@ -207,9 +213,9 @@ def test_out_of_range_value_exits_2_and_names_the_key(tmp_path):
     assert "data.batch_size=0" in text
 
 
-def test_unreachable_tracking_server_exits_2(tmp_path):
+def test_unreachable_tracking_server_exits_2(tmp_path, cli):
     uri = f"http://127.0.0.1:{free_port()}"
-    result = run_cli(f"mlflow.tracking_uri={uri}", "data=synthetic", tmp_path=tmp_path)
+    result = cli(f"mlflow.tracking_uri={uri}", "data=synthetic", tmp_path=tmp_path)
     text = assert_clean_failure(result)
     assert result.returncode == 2, text
     assert "unreachable" in text
@@ -222,10 +228,10 @@ def tmp_store(tmp_path, mlflow_template_db) -> str:
     return new_store(tmp_path / "store", mlflow_template_db)
 
 
-def test_missing_dataset_exits_2_and_says_what_to_do(tmp_path, tmp_store):
+def test_missing_dataset_exits_2_and_says_what_to_do(tmp_path, tmp_store, cli):
     empty = tmp_path / "empty"
     empty.mkdir()
-    result = run_cli(
+    result = cli(
         "data=cifar10",
         f"data.root={empty}",
         "data.download=false",
@@ -240,9 +246,9 @@ def test_missing_dataset_exits_2_and_says_what_to_do(tmp_path, tmp_store):
     assert "data.download=true" in text or "data.root" in text
 
 
-def test_a_sweep_with_an_unreachable_tracking_server_stops_before_its_jobs(tmp_path):
+def test_a_sweep_with_an_unreachable_tracking_server_stops_before_its_jobs(tmp_path, cli):
     uri = f"http://127.0.0.1:{free_port()}"
-    result = run_cli(
+    result = cli(
         "-m", "precision=fp32,amp", "data=synthetic", f"mlflow.tracking_uri={uri}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     )  # fmt: skip
