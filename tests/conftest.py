@@ -195,6 +195,13 @@ def run_here(
     return subprocess.CompletedProcess(args, int(code), out, err)
 
 
+@pytest.fixture
+def cli(capfd: pytest.CaptureFixture[str]) -> Callable[..., subprocess.CompletedProcess]:
+    """`cli("model.foo=1", tmp_path=tmp_path)`: run.py in this process (`run_here`), for
+    command lines that end before training."""
+    return lambda *args, tmp_path=None: run_here(capfd, *args, tmp_path=tmp_path)
+
+
 def final_params(output_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(output_dir / "checkpoints" / "best.pt", weights_only=True)["model"]
 

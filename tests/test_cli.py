@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import CONF_DIR, group_options, new_store, output_of, run_cli, run_here
+from conftest import CONF_DIR, group_options, new_store, output_of, run_cli
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
@@ -120,12 +120,6 @@ def test_help_fits_in_100_columns(help_text):
     assert [line for line in help_text.splitlines() if len(line) > 100] == []
 
 
-@pytest.fixture
-def cli(capfd):
-    """`run.py ARGS` in this process (conftest.run_here): these failures end before training."""
-    return lambda *args, tmp_path=None: run_here(capfd, *args, tmp_path=tmp_path)
-
-
 def test_unknown_key(tmp_path, cli):
     text = assert_clean_failure(cli("model.foo=1", tmp_path=tmp_path))
     assert "model.foo" in text
@@ -170,7 +164,8 @@ def test_the_hint_names_the_key_that_failed(tmp_path, cli):
 
 
 def test_piped_output_has_no_progress_bar_frames(tmp_path):
-    """A Slurm log or `| cat`: no tqdm `\r` frames glued onto the log lines."""
+    """A Slurm log or `| cat`: no tqdm `\r` frames glued onto the log lines, and the run ends
+    with one short line."""
     result = run_cli(
         "data=synthetic", "data.num_train=512", "data.image_size=16", "data.batch_size=16",
         "epochs=1", "progress=true", "log_every_n_steps=1",
@@ -185,6 +180,13 @@ def test_piped_output_has_no_progress_bar_frames(tmp_path):
     assert f"output in {tmp_path / 'job'}" in text
     assert f"best checkpoint {tmp_path / 'job' / 'checkpoints' / 'best.pt'}" in text
     assert "Trained in " in text
+    # and the last line is short: the link to the run and the command that starts the UI
+    (end,) = [line for line in text.splitlines() if "Run FINISHED: http" in line]
+    message = end.partition("] - ")[2]  # after the logger's time and name
+    assert "/#/experiments/1/runs/" in message and "mlflow ui --backend-store-uri" in message
+    # with the default store (this test's has a longer path): about 150 characters
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    assert len(message) - len(uri) + len("sqlite:///outputs/mlflow.db") <= 155, message
 
 
 def test_unknown_group_option_lists_the_available_ones(tmp_path, cli):

@@ -22,7 +22,6 @@ from conftest import (
     new_store,
     only_run,
     output_of,
-    run_cli,
 )
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
@@ -417,9 +416,9 @@ def test_more_devices_than_stages_is_refused(compose_cfg):
         (("parallelism.nprocs=2",), "parallelism=model runs in one process"),
     ],
 )
-def test_run_py_says_what_is_wrong_and_exits_2_before_training(overrides, message, tmp_path):
+def test_run_py_says_what_is_wrong_and_exits_2_before_training(overrides, message, tmp_path, cli):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    result = run_cli(
+    result = cli(
         "parallelism=model",
         *overrides,
         "data=synthetic",

@@ -129,8 +129,8 @@ def test_channels_last_auto_is_off_on_a_cpu_and_refused_for_a_model_without_conv
         ("data.on_device=true data.num_workers=2", "data.on_device=true"),
     ],
 )
-def test_a_bad_switch_stops_before_training_with_one_message(override, named, tmp_path):
-    result = run_cli(
+def test_a_bad_switch_stops_before_training_with_one_message(override, named, tmp_path, cli):
+    result = cli(
         "data=synthetic", *override.split(), f"mlflow.tracking_uri=sqlite:///{tmp_path}/m.db",
         tmp_path=tmp_path,
     )  # fmt: skip

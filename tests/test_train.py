@@ -10,13 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    TINY_DATA,
     compose_config,
     group_options,
     new_store,
     only_run,
-    output_of,
-    run_cli,
 )
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
@@ -254,25 +251,6 @@ def test_a_batch_larger_than_the_training_set_is_a_clear_error(compose_cfg, tmp_
 
 
 # --- the console ------------------------------------------------------------------------------
-
-DEFAULT_STORE = "sqlite:///outputs/mlflow.db"
-
-
-def test_piped_output_has_no_carriage_returns_and_a_short_link_at_the_end(tracking_uri, tmp_path):
-    """Piped into a file or `| cat` (a Slurm log): no tqdm frames glued onto the log lines, and
-    the run ends with one short line: the link to the run and the command that starts the UI."""
-    result = run_cli(
-        "data=synthetic", *TINY_DATA, "epochs=1", "max_steps_per_epoch=3", "threads=1",
-        "progress=true", f"mlflow.tracking_uri={tracking_uri}", tmp_path=tmp_path,
-    )  # fmt: skip
-    text = output_of(result)
-    assert result.returncode == 0, text
-    assert "\r" not in text
-    (end,) = [line for line in text.splitlines() if "Run FINISHED: http" in line]
-    message = end.partition("] - ")[2]  # after the logger's time and name
-    assert "/#/experiments/1/runs/" in message and "mlflow ui --backend-store-uri" in message
-    # with the default store (this test's has a longer path): about 150 characters
-    assert len(message) - len(tracking_uri) + len(DEFAULT_STORE) <= 155, message
 
 
 def test_evaluation_shows_its_progress_in_plain_lines_when_piped(

@@ -20,7 +20,6 @@ from conftest import (
     new_store,
     only_run,
     output_of,
-    run_cli,
 )
 from omegaconf import OmegaConf
 
@@ -285,8 +284,8 @@ def test_a_vit_that_cannot_be_built_is_a_config_error(compose_cfg, overrides, me
         validate(compose_cfg(*overrides))
 
 
-def test_a_patch_that_does_not_divide_the_image_stops_before_training(tmp_path):
-    result = run_cli(
+def test_a_patch_that_does_not_divide_the_image_stops_before_training(tmp_path, cli):
+    result = cli(
         "model=vit_tiny", "model.patch_size=5", "data=fashion_mnist",
         f"mlflow.tracking_uri=sqlite:///{tmp_path}/m.db", tmp_path=tmp_path,
     )  # fmt: skip
