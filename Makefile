@@ -1,7 +1,8 @@
 # Each target sets everything up first (idempotent: seconds when nothing changed).
 #   make run  [ARGS="precision=amp epochs=3"]   the main job: python run.py with the defaults
-#   make test [PYTEST_ARGS="-k mlflow"]         the test suite
+#   make test [PYTEST_ARGS="-k mlflow"]         the test suite, two tests at a time (TEST_WORKERS)
 VENV ?= .venv
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 
 .PHONY: setup run test lint format bench clean
@@ -12,7 +13,7 @@ run: setup
 	$(PY) run.py $(ARGS)
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

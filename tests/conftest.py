@@ -13,6 +13,7 @@ writes into a store of its own and none sees another's runs.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import importlib.util
 import logging
@@ -22,7 +23,7 @@ import signal
 import subprocess
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,31 @@ def compose_config(tracking_uri: str, *overrides: str) -> DictConfig:
     defaults = [d for d in defaults if _key(d) not in given]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=[*defaults, *overrides])
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_marked(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
+    """`make test` runs two tests at a time (pytest-xdist, one per core). A test marked `alone`
+    measures time or other processes' CPU (the verdicts, the noise probe), so it runs with no
+    other test beside it: it takes the room's lock exclusively, the others share it, and a
+    turnstile keeps new tests from starting while an `alone` test waits for the room."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    shared = tmp_path_factory.getbasetemp().parent  # one folder for all the workers of a run
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(shared / "turnstile.lock", "a") as turnstile, open(shared / "room.lock", "a") as room:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

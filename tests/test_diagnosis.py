@@ -73,6 +73,7 @@ def test_a_timed_allreduce_counts_overlapping_buckets_once():
 # --- each verdict, from a real run -------------------------------------------------------------
 
 
+@pytest.mark.alone  # a verdict read from timings: no other test beside it
 def test_a_slowed_input_pipeline_is_input_bound(compose_cfg, tmp_path, tracking_uri):
     delay_ms, steps = 40, 6
     cfg = compose_cfg(
@@ -88,6 +89,7 @@ def test_a_slowed_input_pipeline_is_input_bound(compose_cfg, tmp_path, tracking_
     assert "input-bound" in report and "data.num_workers=2" in report
 
 
+@pytest.mark.alone  # a verdict read from timings: no other test beside it
 def test_a_tiny_model_with_a_tiny_batch_is_overhead_bound(compose_cfg, tmp_path, tracking_uri):
     cfg = compose_cfg(
         "model=mlp", "model.widths=[8]", "data.batch_size=2", "max_steps_per_epoch=60"
@@ -100,6 +102,7 @@ def test_a_tiny_model_with_a_tiny_batch_is_overhead_bound(compose_cfg, tmp_path,
     assert tags["diagnosis_next"] == "data.batch_size=4"
 
 
+@pytest.mark.alone  # a verdict read from timings: no other test beside it
 def test_a_cnn_at_a_normal_batch_is_compute_bound(compose_cfg, tmp_path, tracking_uri):
     cfg = compose_cfg("data.batch_size=128", "data.image_size=28", "max_steps_per_epoch=8")
     run(cfg, tmp_path / "out")
@@ -109,6 +112,7 @@ def test_a_cnn_at_a_normal_batch_is_compute_bound(compose_cfg, tmp_path, trackin
     assert metrics["time/input_s"] / sum(metrics[k] for k in TIME_PARTS) < 0.25
 
 
+@pytest.mark.alone  # a verdict read from timings: no other test beside it
 @pytest.mark.slow
 def test_two_gloo_workers_on_a_big_model_with_a_tiny_batch_are_communication_bound(
     tmp_path, mlflow_template_db

@@ -144,6 +144,7 @@ def test_a_busy_process_outside_the_job_reads_as_contention() -> None:
     assert verdict.contended and "other processes used" in verdict.console(), verdict
 
 
+@pytest.mark.alone  # reads other processes' CPU: no other test beside it
 @needs_proc
 @pytest.mark.parametrize("how", ["token", "child"])
 def test_the_jobs_own_processes_are_not_others(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
