@@ -13,7 +13,7 @@ run: setup
 	$(PY) run.py $(ARGS)
 
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -20,7 +20,7 @@ short epoch keeps three quarters of its steps timed.
 
 Every step tells a `StepClock` where its phases end (input, forward, backward, optimizer, the
 loop's bookkeeping): `EpochResult.breakdown` is where the timed steps' time went, averaged over
-ranks (`accelexp.diagnosis.accounting`); the times between step ends (`EpochResult.step_seconds`)
+ranks (`accelexp.timing`); the times between step ends (`EpochResult.step_seconds`)
 give the throughput's interval (`throughput`, batch means). Over the same timed steps a
 `ContentionProbe` samples what shows a shared machine (`EpochResult.noise`, the worst rank's;
 `accelexp.diagnosis.noise`). A `profiler` (`profile=true`) is stepped after each step.
@@ -42,7 +42,12 @@ from tqdm import tqdm
 
 from accelexp import stats
 from accelexp.data import BatchLoader
-from accelexp.diagnosis.accounting import (
+from accelexp.diagnosis.noise import ContentionProbe, NoiseSample
+from accelexp.errors import AccelexpError
+from accelexp.parallel.base import Strategy
+from accelexp.precision import Precision
+from accelexp.stats import Estimate
+from accelexp.timing import (
     BACKWARD,
     FORWARD,
     INPUT,
@@ -51,11 +56,6 @@ from accelexp.diagnosis.accounting import (
     Breakdown,
     StepClock,
 )
-from accelexp.diagnosis.noise import ContentionProbe, NoiseSample
-from accelexp.errors import AccelexpError
-from accelexp.parallel.base import Strategy
-from accelexp.precision import Precision
-from accelexp.stats import Estimate
 
 log = logging.getLogger(__name__)
 LINE_EVERY_S = 10.0  # the least time between two progress lines of piped output

@@ -6,7 +6,7 @@ machine's noise falls on both alike; each side's median over the repeats is repo
 time and in process CPU time, with the ratio accelexp / plain (target: <= 1.03). The loader-only
 line is accelexp's data path alone (gather, augment, normalise), to show data is not the
 bottleneck. The `unaccounted` side is accelexp's epoch with its time accounting switched off
-(`accelexp.diagnosis.accounting.StepClock` and the contention probe replaced by ones that do
+(`accelexp.timing.StepClock` and the contention probe replaced by ones that do
 nothing): the ratio accelexp / unaccounted is what the always-on accounting costs (target:
 <= 1.01); the accounting's cost per step is also timed on its own, against the median step.
 
@@ -29,13 +29,13 @@ from torch.utils.data import RandomSampler
 
 from accelexp.config import register_configs
 from accelexp.data import BatchLoader, build_data, resolve_on_device
-from accelexp.diagnosis.accounting import Breakdown, StepClock
 from accelexp.diagnosis.noise import NoiseSample
 from accelexp.engine import Trainer
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
 from accelexp.parallel import build_strategy
 from accelexp.precision import Precision
+from accelexp.timing import Breakdown, StepClock
 from accelexp.train import seed_everything
 
 CONF_DIR = __file__.rsplit("/benchmarks/", 1)[0] + "/conf"

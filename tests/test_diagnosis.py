@@ -17,12 +17,12 @@ import torch
 from conftest import compose_config, new_store, only_run, output_of, run_cli
 from mlflow import MlflowClient
 
-from accelexp.diagnosis.accounting import BACKWARD, FORWARD, INPUT, Breakdown, CommTime, StepClock
 from accelexp.diagnosis.verdict import RunFacts, diagnose
 from accelexp.engine import eager_warmup_steps
 from accelexp.launch import launch
 from accelexp.parallel import build_strategy
 from accelexp.parallel.ddp import TimedAllreduce
+from accelexp.timing import BACKWARD, FORWARD, INPUT, Breakdown, CommTime, StepClock
 from accelexp.train import run
 
 TIME_PARTS = [f"time/{p}_s" for p in Breakdown.PARTS]

@@ -375,17 +375,18 @@ def check_launcher(command: Command, store: Store) -> None:
     compose_and_validate(RunPy.parse(argv[argv.index("run.py") + 1 :]))
 
 
-def ensure_runs(store: Store, experiment: str) -> None:
-    """A tiny sweep of `experiment` in the store when it holds no sweep of it yet."""
-    from mlflow import MlflowClient
+def ensure_runs(store: Store, experiment: str, latest: bool = False) -> None:
+    """A tiny sweep of `experiment` in the store when it holds no sweep of it yet, or (`latest`:
+    for `--sweep latest` of every experiment) when the store's newest sweep is another's: the
+    docs/ sweep a report follows is composed only here, as a user's sweep of it would be."""
+    from accelexp.tracking import query
 
-    found = MlflowClient(store.uri).get_experiment_by_name(experiment)
-    if found is not None:
-        parents = MlflowClient(store.uri).search_runs(
-            [found.experiment_id], filter_string="tags.`accelexp.sweep` = 'true'"
-        )
-        if parents:
+    try:
+        newest = query.latest_sweep(store.uri, None if latest else experiment)
+        if query.experiment_id(store.uri, experiment) == newest.experiment_id:
             return
+    except query.QueryError:  # no sweep, or no such experiment yet
+        pass
     study = CONF_DIR / "experiment" / f"{experiment}.yaml"
     if study.is_file():  # one job: the first value of each swept key (a 1-worker fp32 baseline)
         grid = OmegaConf.load(study).hydra.sweeper.params
@@ -402,8 +403,9 @@ def check_report(command: Command, store: Store) -> None:
     """accelexp-report against the module's store, writing into tmp."""
     _, argv = command.words()
     args = argv[1:]
-    experiment = args[args.index("--experiment") + 1] if "--experiment" in args else "accelexp"
-    ensure_runs(store, experiment)
+    named = "--experiment" in args
+    experiment = args[args.index("--experiment") + 1] if named else "accelexp"
+    ensure_runs(store, experiment, latest="latest" in args and not named)
     if "--tracking-uri" not in args:
         args += ["--tracking-uri", store.uri]
     if "--output-dir" not in args:

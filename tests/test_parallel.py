@@ -112,7 +112,7 @@ def test_amp_with_fp16_gradient_compression_trains(name, compression, tmp_path, 
     ] == [1, 2]
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("name", ["horovod"])  # ddp's: the README's scaling sweep, test_sweeps
 def test_a_sweep_over_worker_counts_logs_one_run_per_job(name, tmp_path):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     result = run_cli(

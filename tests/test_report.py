@@ -741,7 +741,7 @@ def test_a_one_epoch_run_is_measured_after_warm_up_or_reported_too_short(
     rows = {r["run_name"]: r for r in csv.DictReader(io.StringIO(out))}
     assert float(rows["long"]["samples_per_s"]) == pytest.approx(long["samples_per_s"])
     assert rows["short"]["samples_per_s"] == rows["short"]["speedup"] == ""
-    assert rows["short"]["note"] == (
+    assert rows["short"]["note"].endswith(  # after "contended (...); " on a shared machine
         "too short to measure: 4 steady steps, need ≥ 10 (raise max_steps_per_epoch or epochs)"
     )
     code, out, _ = run_main(capsys, *base)

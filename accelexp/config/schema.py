@@ -13,6 +13,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from accelexp.parallel import STRATEGIES
+
 # --- model ---------------------------------------------------------------------------------
 
 
@@ -380,6 +382,10 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "onecycle": OneCycleConfig,
     },
 }
+
+
+# one schema per strategy of the strategy table, and no other
+assert SCHEMAS["parallelism"].keys() == STRATEGIES.keys(), "parallelism schemas != STRATEGIES"
 
 
 def register_configs() -> None:

@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from accelexp.config.catalog import flatten, options_declaring
 from accelexp.errors import ConfigError
+from accelexp.parallel import HYBRID_ENGINES
 
 PRECISIONS = ("fp32", "amp", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -121,7 +122,11 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
             "null or strictly increasing layer indices >= 1, e.g. [4, 9]",
         ),
         # fsdp: a message of its own (`_parallelism_problems`)
-        ("parallelism.engine", lambda v: v in ("ddp", "horovod", "fsdp"), "ddp or horovod"),
+        (
+            "parallelism.engine",
+            lambda v: v in (*HYBRID_ENGINES, "fsdp"),
+            " or ".join(HYBRID_ENGINES),
+        ),
         ("parallelism.granularity", lambda v: v in ("block", "model"), "block or model"),
         ("parallelism.devices_per_replica", *at_least_one),
         ("debug.raise_at_step", *at_least_one),

@@ -18,12 +18,12 @@ import torch
 from omegaconf import DictConfig
 
 from accelexp.diagnosis import flops
-from accelexp.diagnosis.accounting import Breakdown
 from accelexp.diagnosis.noise import NoiseSample, NoiseVerdict, judge
 from accelexp.diagnosis.verdict import RunFacts, Verdict, diagnose, memory_advice, usable
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
+from accelexp.timing import Breakdown
 from accelexp.tracking import Tracker
 
 log = logging.getLogger(__name__)

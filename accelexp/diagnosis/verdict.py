@@ -1,7 +1,7 @@
 """What bounds a run, the evidence, and the overrides to try next.
 
 `diagnose(facts)` applies a few rules, in this order, to the last epoch's time accounting
-(`accounting.Breakdown`) and the run's FLOP and memory figures:
+(`accelexp.timing.Breakdown`) and the run's FLOP and memory figures:
 
 1. **input** — the loop waited for its next batch for at least `INPUT_SHARE` of the step time.
 2. **communication** — the host waited for gradient communication for at least `COMM_SHARE` of
@@ -41,7 +41,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from accelexp.config import ConfigError, validate
 from accelexp.config.catalog import flatten
-from accelexp.diagnosis.accounting import Breakdown
+from accelexp.timing import Breakdown
 
 INPUT_SHARE = 0.25
 COMM_SHARE = 0.25

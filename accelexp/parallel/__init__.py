@@ -11,17 +11,21 @@
 | hybrid      | stages over devices                         | DDP or Horovod (`engine`)   |
 
 `build_strategy(cfg)` composes the pair into the `base.Strategy` the loop talks to. The modules
-are imported lazily, so torch.distributed and Horovod load only in the runs that use them.
+are imported lazily, so torch.distributed and Horovod load only in the runs that use them, and
+this table is read without torch (the config checks and the report order by it).
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from accelexp.errors import ConfigError
-from accelexp.parallel.base import Placement, Strategy, Sync
+
+if TYPE_CHECKING:
+    from accelexp.parallel.base import Placement, Strategy, Sync
 
 PLACEMENTS = {
     "one device": "accelexp.parallel.base:Placement",
@@ -34,13 +38,14 @@ SYNCS = {
     "fsdp": "accelexp.parallel.fsdp:FSDPSync",
     "horovod": "accelexp.parallel.horovod:HorovodSync",
 }
-# parallelism.name -> (placement, sync); None: the sync is `parallelism.engine`
+# parallelism.name -> (placement, sync); None: the sync is `parallelism.engine`. In the order
+# the report lists runs by.
 STRATEGIES: dict[str, tuple[str, str | None]] = {
     "single": ("one device", "none"),
     "dp": ("dataparallel", "none"),
     "ddp": ("one device", "ddp"),
-    "fsdp": ("one device", "fsdp"),
     "horovod": ("one device", "horovod"),
+    "fsdp": ("one device", "fsdp"),
     "model": ("stages", "none"),
     "hybrid": ("stages", None),
 }
@@ -84,6 +89,8 @@ def run_label(cfg: DictConfig) -> dict[str, str]:
 
 def build_strategy(cfg: DictConfig) -> Strategy:
     """The strategy of the whole run config `cfg`, not yet set up."""
+    from accelexp.parallel.base import Strategy
+
     placement, sync = composition(cfg.parallelism)
     return Strategy(
         cfg.parallelism,

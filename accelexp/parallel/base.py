@@ -27,10 +27,10 @@ import torch.nn as nn
 from omegaconf import DictConfig
 from torch.utils.data import DistributedSampler, Sampler
 
-from accelexp.diagnosis.accounting import CommTime
 from accelexp.errors import AccelexpError
 from accelexp.parallel.world import World, WorldShape
 from accelexp.precision import Precision
+from accelexp.timing import CommTime
 
 
 def resolve_device(request: str, local_rank: int = 0) -> torch.device:
@@ -231,7 +231,7 @@ class Sync:
     def describe(self) -> dict[str, int | str]:
         return {}
 
-    # --- communication time (accelexp.diagnosis.accounting) -----------------------------------
+    # --- communication time (accelexp.timing) -----------------------------------
     def take_comm_time(self) -> CommTime | None:
         return None
 
@@ -437,7 +437,7 @@ class Strategy:
         """This rank's share of an evaluation set: each sample once over all ranks, no padding."""
         return ShardSampler(num_samples, self.replicas, self.rank)
 
-    # --- communication time (accelexp.diagnosis.accounting) -----------------------------------
+    # --- communication time (accelexp.timing) -----------------------------------
     def take_comm_time(self) -> CommTime | None:
         """The communication this strategy timed since the last call; None: it does none."""
         return self.sync.take_comm_time()

@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accelexp.diagnosis.accounting import CommTime
 from accelexp.parallel.distributed import TorchDistributed
+from accelexp.timing import CommTime
 
 
 class TimedAllreduce:

@@ -17,7 +17,7 @@ only changes the compute dtype), and refuses a model whose parameters are bf16.
 
 Communication time: Horovod's background thread allreduces each gradient as the backward pass
 produces it; `optimizer.synchronize()` waits for what is left. The step calls it explicitly and
-times it — the communication the host waited for (`accelexp.diagnosis.accounting`). When the
+times it — the communication the host waited for (`accelexp.timing`). When the
 allreduces were in flight is Horovod's own business: its timeline (`HOROVOD_TIMELINE=file.json`)
 records every tensor's negotiation and allreduce.
 """
@@ -29,11 +29,11 @@ import time
 import torch
 import torch.nn as nn
 
-from accelexp.diagnosis.accounting import CommTime
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Sync
 from accelexp.parallel.world import World, WorldShape, current_world
 from accelexp.precision import Precision
+from accelexp.timing import CommTime
 
 SETUP_HINT = "Run the setup, which builds it against the installed torch: `make setup`."
 

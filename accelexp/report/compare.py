@@ -45,13 +45,14 @@ from dataclasses import dataclass, fields
 
 from accelexp import stats
 from accelexp.errors import AccelexpError
+from accelexp.parallel import STRATEGIES
 from accelexp.stats import Estimate
 from accelexp.tracking.query import RunRecord
 
 DEFAULT_BASELINE = "world_size=1,precision=fp32"
 BASELINE_KEYS = ("world_size", "precision", "parallelism", "model", "data", "speed")
 CONFIG_KEYS = ("parallelism", "world_size", "precision", "speed", "model", "data")  # a run's name
-PARALLELISM_ORDER = ("single", "dp", "ddp", "horovod", "fsdp", "model", "hybrid")
+PARALLELISM_ORDER = tuple(STRATEGIES)  # single, dp, ddp, horovod, fsdp, model, hybrid
 PRECISION_ORDER = ("fp32", "amp", "bf16")
 SPEED_ORDER = ("eager",)  # then the others alphabetically
 SETTING_DEFAULTS = {"speed": "eager"}  # what runs logged before the setting existed had
