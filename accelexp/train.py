@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from accelexp import checkpoint
 from accelexp.config import ConfigError, validate
+from accelexp.config.catalog import flatten
 from accelexp.data import SOURCES, BatchLoader, DataBundle, build_data, resolve_on_device
 from accelexp.data.sources import SYNTHETIC_SEED
 from accelexp.diagnosis import flops
@@ -45,7 +46,7 @@ from accelexp.parallel import build_strategy, run_label
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
 from accelexp.speed import SpeedSwitches, has_conv2d
-from accelexp.tracking import Tracker, flatten
+from accelexp.tracking import Tracker
 from accelexp.tracking.runs import RUN_ID_FILE, run_name, run_tags, significant
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ def _run(
         tracker.resume((output_dir / RUN_ID_FILE).read_text().strip(), 0, output_dir)
     else:
         params = {
-            **flatten(resolved),
+            **flatten(resolved, empty=False),  # as MLflow params (str, cut to its limit)
             **strategy.describe(),
             "torch_version": torch.__version__,
             "num_params": sum(p.numel() for p in model.parameters()),

@@ -87,13 +87,14 @@ def _read_option(path: Path, conf_dir: Path) -> Option:
     return Option(group, path.stem, _summary(path), keys, picks, sweeps)
 
 
-def flatten(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"mlflow": {"tags": {"rung": "amp"}}} -> {"mlflow.tags.rung": "amp"}; {} stays a value."""
+def flatten(values: Mapping[str, Any], prefix: str = "", empty: bool = True) -> dict[str, Any]:
+    """{"mlflow": {"tags": {"rung": "amp"}}} -> {"mlflow.tags.rung": "amp"}; {} stays a value
+    (`empty=False`: it has no key, as in a run's MLflow params)."""
     flat: dict[str, Any] = {}
     for key, value in values.items():
         name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, f"{name}."))
+        if isinstance(value, Mapping) and (value or not empty):
+            flat.update(flatten(value, f"{name}.", empty))
         else:
             flat[name] = value
     return flat

@@ -4,6 +4,6 @@ No other part of accelexp imports mlflow; the engine reports through `Tracker`, 
 callback through the parent-run functions, the report reads through `query`.
 """
 
-from accelexp.tracking.runs import Tracker, TrackingUnavailableError, check_reachable, flatten
+from accelexp.tracking.runs import Tracker, TrackingUnavailableError, check_reachable
 
-__all__ = ["Tracker", "TrackingUnavailableError", "check_reachable", "flatten"]
+__all__ = ["Tracker", "TrackingUnavailableError", "check_reachable"]

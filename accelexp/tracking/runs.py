@@ -55,18 +55,6 @@ class TrackingUnavailableError(AccelexpError):
     """The MLflow tracking store cannot be reached or opened."""
 
 
-def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """{'a': {'b': 1}} -> {'a.b': '1'}; values cut to MLflow's 6000-character limit."""
-    flat: dict[str, str] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(flatten(value, name + "."))
-        else:
-            flat[name] = str(value)[:MAX_PARAM_VALUE]
-    return flat
-
-
 def significant(value: float, digits: int = METRIC_DIGITS) -> float:
     """`value` to `digits` significant digits: 0.000123456 -> 0.00012346, never to 0; nan and inf
     stay as they are."""
