@@ -225,12 +225,6 @@ def test_a_crash_mid_training_fails_the_run_and_keeps_earlier_metrics(
     assert "test_acc" not in mlrun.data.metrics
 
 
-def test_flatten_nests_keys_and_truncates_long_values():
-    flat = flatten({"a": {"b": 1, "c": {"d": [1, 2]}}, "long": "x" * 10_000, "none": None})
-    assert flat == {"a.b": "1", "a.c.d": "[1, 2]", "long": "x" * MAX_PARAM_VALUE, "none": "None"}
-    assert MAX_PARAM_VALUE == 6000
-
-
 def test_more_params_than_one_mlflow_batch_and_long_values(compose_cfg, tracking_uri):
     cfg = compose_cfg()
     tracker = Tracker(cfg.mlflow)
