@@ -188,7 +188,7 @@ def run_here(
 
     from accelexp import startup
 
-    saved = (sys.argv, dict(os.environ), os.getcwd(), torch.get_num_threads())
+    saved = (sys.argv, dict(os.environ), torch.get_num_threads())
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     loggers = {name: logging.getLogger(name) for name in ("", "accelexp")}
     logging_state = {name: (lg.handlers[:], lg.level) for name, lg in loggers.items()}
@@ -198,7 +198,7 @@ def run_here(
     sys.argv = [str(REPO / "run.py"), *args, *extra]
     capfd.readouterr()
     try:
-        with contextlib.chdir(REPO):
+        with contextlib.chdir(REPO):  # and back, whatever the job changed
             try:
                 code = startup.run_main(_entry_point().main)
             except SystemExit as exit:
@@ -207,8 +207,7 @@ def run_here(
         sys.argv = saved[0]
         os.environ.clear()
         os.environ.update(saved[1])
-        os.chdir(saved[2])
-        torch.set_num_threads(saved[3])  # threads=N sets the process's
+        torch.set_num_threads(saved[2])  # threads=N sets the process's
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         for name, (kept, level) in logging_state.items():

@@ -16,10 +16,10 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
-if TYPE_CHECKING:
-    import torchvision
-
 from accelexp.errors import AccelexpError
+
+if TYPE_CHECKING:
+    import torchvision  # loaded where a model of its is built
 
 
 def cached_weights(arch: str):

@@ -23,11 +23,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-if TYPE_CHECKING:
-    import torchvision
-
 from accelexp.errors import ConfigError
 from accelexp.models.resnet import cached_weights
+
+if TYPE_CHECKING:
+    import torchvision  # loaded where a model of its is built
 
 # `auto` patch: the largest patch that divides the image and leaves at least this many patches.
 # 16 patches (4x4: patch 7 for 28 px, 8 for 32 px) keep the sequence short, so attention and the

@@ -231,7 +231,7 @@ class Sync:
     def describe(self) -> dict[str, int | str]:
         return {}
 
-    # --- communication time (accelexp.timing) -----------------------------------
+    # --- communication time (accelexp.timing) -----------------------------------------------
     def take_comm_time(self) -> CommTime | None:
         return None
 
@@ -437,7 +437,7 @@ class Strategy:
         """This rank's share of an evaluation set: each sample once over all ranks, no padding."""
         return ShardSampler(num_samples, self.replicas, self.rank)
 
-    # --- communication time (accelexp.timing) -----------------------------------
+    # --- communication time (accelexp.timing) -----------------------------------------------
     def take_comm_time(self) -> CommTime | None:
         """The communication this strategy timed since the last call; None: it does none."""
         return self.sync.take_comm_time()
