@@ -32,24 +32,11 @@ import torch
 
 from accelexp import signals
 from accelexp.errors import AccelexpError, ConfigError
+from accelexp.record import training_config
 
 LAST, BEST = "last.pt", "best.pt"
 # restarts of one job: torchrun's restarts of its workers, Slurm's requeues of a job
 RESTART_ENV = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
-# keys that change how a run is watched, not what it computes: a resumed run may differ in them
-NOT_TRAINING = (
-    "resume",
-    "repeats",  # how many repeats a sweep runs (each one's repeat_index and seed do count)
-    "repeat_seed",
-    "max_batch",  # a search after training: the training is the same with or without it
-    "progress",
-    "log_every_n_steps",
-    "threads",
-    "mlflow",
-    "debug",
-    "profile",
-    "profiler",
-)
 
 
 @dataclass
@@ -175,11 +162,6 @@ def restarted() -> bool:
     """True in a job its launcher restarted: torchrun's workers after a failure, a requeued
     Slurm job. Such a job continues from its own folder's last checkpoint."""
     return any(int(os.environ.get(name) or 0) > 0 for name in RESTART_ENV)
-
-
-def training_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The keys that decide what a run computes (all but `NOT_TRAINING`)."""
-    return {k: v for k, v in config.items() if k not in NOT_TRAINING}
 
 
 def find_resume(

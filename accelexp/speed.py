@@ -28,6 +28,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from accelexp.errors import AccelexpError
+from accelexp.record import SPEED
 
 log = logging.getLogger(__name__)
 
@@ -143,4 +144,4 @@ class SpeedSwitches:
             "compile": self.compile,
             "optimizer_impl": self.optimizer_impl,
         }
-        return {"speed": self.summary(), **{k: str(v).lower() for k, v in values.items()}}
+        return {SPEED: self.summary(), **{k: str(v).lower() for k, v in values.items()}}

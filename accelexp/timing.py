@@ -29,6 +29,14 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from accelexp.record import (
+    TIME_COMM_INFLIGHT_S,
+    TIME_COMM_OVERLAP,
+    TIME_GPU_BUSY,
+    TIME_PARTS,
+    time_s,
+)
+
 INPUT, FORWARD, BACKWARD, OPTIMIZER, OTHER = range(5)
 PHASES = ("input", "forward", "backward", "optimizer", "other")
 
@@ -65,7 +73,7 @@ class Breakdown:
     comm_inflight: float | None = None
     gpu_busy: float | None = None  # fraction of `wall`, a lower bound (CUDA only)
 
-    PARTS = ("input", "forward", "backward", "optimizer", "comm", "other")
+    PARTS = TIME_PARTS  # its fields above, each logged as the metric `time_s(part)`
 
     @property
     def wall(self) -> float:
@@ -84,10 +92,10 @@ class Breakdown:
 
     def metrics(self) -> dict[str, float | None]:
         """MLflow metrics `time/<part>_s` (and the optional figures when known)."""
-        metrics: dict[str, float | None] = {f"time/{p}_s": getattr(self, p) for p in self.PARTS}
-        metrics["time/comm_inflight_s"] = self.comm_inflight
-        metrics["time/comm_overlap"] = self.comm_overlap
-        metrics["time/gpu_busy"] = self.gpu_busy
+        metrics: dict[str, float | None] = {time_s(p): getattr(self, p) for p in self.PARTS}
+        metrics[TIME_COMM_INFLIGHT_S] = self.comm_inflight
+        metrics[TIME_COMM_OVERLAP] = self.comm_overlap
+        metrics[TIME_GPU_BUSY] = self.gpu_busy
         return metrics
 
     def to_tensor(self, device: torch.device) -> torch.Tensor:

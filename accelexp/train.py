@@ -10,8 +10,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import platform
 import random
@@ -25,7 +23,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
-from accelexp import checkpoint
+from accelexp import checkpoint, record
 from accelexp.config import ConfigError, validate
 from accelexp.config.catalog import flatten
 from accelexp.data import SOURCES, BatchLoader, DataBundle, build_data, resolve_on_device
@@ -207,7 +205,9 @@ def _run(
     )
     profiler = StepProfiler(cfg, output_dir, strategy.rank, strategy.device)
     trainer.profiler = profiler if profiler.enabled else None
-    in_effect = {f"speed.{key}": value for key, value in switches.tags().items() if key != "speed"}
+    in_effect = {
+        f"speed.{key}": value for key, value in switches.tags().items() if key != record.SPEED
+    }
     if precision.dtype is torch.bfloat16:  # precision=amp on a CPU is bf16 autocast
         in_effect["precision"] = "bf16"
     diagnosis = RunDiagnosis(
@@ -234,21 +234,21 @@ def _run(
         params = {
             **flatten(resolved, empty=False),  # as MLflow params (str, cut to its limit)
             **strategy.describe(),
-            "torch_version": torch.__version__,
-            "num_params": sum(p.numel() for p in model.parameters()),
-            "train_samples": len(data.train),
-            "data_placement": placement,
+            record.TORCH_VERSION: torch.__version__,
+            record.NUM_PARAMS: sum(p.numel() for p in model.parameters()),
+            record.TRAIN_SAMPLES: len(data.train),
+            record.DATA_PLACEMENT: placement,
         }
         tags = {
             **run_tags(cfg, strategy.world_size, overrides),
             **strategy.tags(),
             **switches.tags(),
-            "data_placement": placement,
-            "device": device_label(strategy),
-            "host": platform.node(),
-            "config_hash": config_hash(resolved),
-            "config_id": config_id(resolved),
-            "output_dir": str(output_dir.resolve()),
+            record.DATA_PLACEMENT: placement,
+            record.DEVICE: device_label(strategy),
+            record.HOST: platform.node(),
+            record.CONFIG_HASH: record.config_hash(resolved),
+            record.CONFIG_ID: record.config_id(resolved),
+            record.OUTPUT_DIR: str(output_dir.resolve()),
         }
         tracker.start(name, params, tags)
         tracker.log_dataset(cfg.data.name, dataset_identity(cfg, data), dataset_source(cfg.data))
@@ -300,7 +300,7 @@ def _state_to_resume(
             cfg.resume,
             output_dir,
             tracker.run_folder,
-            lambda: tracker.unfinished_run_folders(config_hash(resolved)),
+            lambda: tracker.unfinished_run_folders(record.config_hash(resolved)),
         )
     if resume_from is not None:
         state = checkpoint.load(resume_from)
@@ -380,21 +380,21 @@ class Fit:
             memory = strategy.memory_metrics()
             per_device = train.samples_per_s / strategy.num_devices
             metrics = {
-                "train_loss": train.loss,
-                "train_acc": train.accuracy,
-                "val_loss": val_loss,
-                "val_acc": val_acc,
-                "lr": lr,
-                "epoch_time_s": train.seconds,
-                "samples_per_s": train.samples_per_s,
-                "samples_per_s_per_device": per_device,
-                "timed_steps": train.timed_steps,  # the steps samples_per_s was measured over
+                record.TRAIN_LOSS: train.loss,
+                record.TRAIN_ACC: train.accuracy,
+                record.VAL_LOSS: val_loss,
+                record.VAL_ACC: val_acc,
+                record.LR: lr,
+                record.EPOCH_TIME_S: train.seconds,
+                record.SAMPLES_PER_S: train.samples_per_s,
+                record.SAMPLES_PER_S_PER_DEVICE: per_device,
+                record.TIMED_STEPS: train.timed_steps,
                 **memory,
-                "grad_scale": trainer.precision.grad_scale(),
-                "compile_s": train.compile_seconds,
-                "elapsed_s": elapsed,
+                record.GRAD_SCALE: trainer.precision.grad_scale(),
+                record.COMPILE_S: train.compile_seconds,
+                record.ELAPSED_S: elapsed,
                 **self.diagnosis.epoch(
-                    train.breakdown, per_device, memory.get("peak_mem_mb"), train.noise
+                    train.breakdown, per_device, memory.get(record.PEAK_MEM_MB), train.noise
                 ),
             }
             self.tracker.log_metrics(metrics, step=epoch)
@@ -461,19 +461,19 @@ class Fit:
         strategy.load_model_state_dict(trainer.model, strategy.broadcast_object(weights))
         test_loss, test_acc = trainer.evaluate(test_loader, "test")
         final = {
-            "best_val_acc": progress.best_val_acc,
-            "test_loss": test_loss,
-            "test_acc": test_acc,
-            "total_time_s": total_s,
-            "time_to_target_s": progress.time_to_target_s,
+            record.BEST_VAL_ACC: progress.best_val_acc,
+            record.TEST_LOSS: test_loss,
+            record.TEST_ACC: test_acc,
+            record.TOTAL_TIME_S: total_s,
+            record.TIME_TO_TARGET_S: progress.time_to_target_s,
         }
         if trained:
-            steady = throughput(trained[1:] or trained)
+            steady = throughput(trained[1:] or trained)  # accelexp.stats
             final |= {
-                "throughput": steady.value,  # samples/s, steady state (accelexp.stats)
-                "throughput_low": steady.low,  # its 95 % interval
-                "throughput_high": steady.high,
-                "throughput_steps": steady.n,  # the timed steps it was measured over
+                record.THROUGHPUT: steady.value,
+                record.THROUGHPUT_LOW: steady.low,
+                record.THROUGHPUT_HIGH: steady.high,
+                record.THROUGHPUT_STEPS: steady.n,
             }
         self.tracker.log_metrics(final, step=cfg.epochs)
         if strategy.is_main:
@@ -502,23 +502,6 @@ class Fit:
         model = self.new_model()
         model.load_state_dict(weights)
         self.tracker.log_model(model.eval(), torch.zeros(2, *self.sample_shape))
-
-
-def config_hash(resolved: dict) -> str:
-    """Identifies the training a config describes (`resume=auto` looks runs up by it)."""
-    text = json.dumps(checkpoint.training_config(resolved), sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def config_id(resolved: dict) -> str:
-    """Identifies a configuration across its repeats: the training it describes less its seed
-    and repeat index, with the user's own tags (`mlflow.tags`: an A/A test's two sides, say).
-    The report groups a sweep's runs of one `config_id` into one row."""
-    training = checkpoint.training_config(resolved)
-    training = {k: v for k, v in training.items() if k not in ("seed", "repeat_index")}
-    identity = {"training": training, "tags": resolved.get("mlflow", {}).get("tags") or {}}
-    text = json.dumps(identity, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def device_label(strategy: Strategy) -> str:

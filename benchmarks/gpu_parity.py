@@ -479,6 +479,7 @@ def measure_accelexp(
 ) -> Measurement:
     from mlflow import MlflowClient
 
+    from accelexp.record import COMPILE_S, DATA_PLACEMENT, SAMPLES_PER_S
     from accelexp.tracking.runs import RUN_ID_FILE
 
     uri = f"sqlite:///{store / 'mlflow.db'}"
@@ -495,15 +496,15 @@ def measure_accelexp(
     run = client.get_run(run_id)
     if run.info.status != "FINISHED":
         return Measurement(None, wall_s=wall, cpu_s=cpu, error=f"run {run_id} {run.info.status}")
-    history = sorted(client.get_metric_history(run_id, "samples_per_s"), key=lambda m: m.step)
-    compiled = client.get_metric_history(run_id, "compile_s")
+    history = sorted(client.get_metric_history(run_id, SAMPLES_PER_S), key=lambda m: m.step)
+    compiled = client.get_metric_history(run_id, COMPILE_S)
     return Measurement(
         history[-1].value if history else None,
         [m.value for m in history],
         compiled[0].value if compiled else None,
         wall,
         cpu,
-        run.data.params.get("data_placement", ""),
+        run.data.params.get(DATA_PLACEMENT, ""),
     )
 
 

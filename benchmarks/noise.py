@@ -64,6 +64,14 @@ import psutil
 
 from accelexp import stats
 from accelexp.processes import JOB_ENV
+from accelexp.record import (
+    NOISE,
+    NOISE_CONTENDED,
+    NOISE_EVIDENCE,
+    OUTPUT_DIR,
+    REPEAT_INDEX,
+    noise_metric,
+)
 from accelexp.report.compare import measure_estimate
 from accelexp.stats import Estimate
 from accelexp.tracking import query
@@ -304,26 +312,28 @@ class Run:
 
     @property
     def contended(self) -> bool:
-        return self.record.tags.get("noise") == "contended"
+        return self.record.tags.get(NOISE) == NOISE_CONTENDED
 
 
 def read_runs(store: Path, condition: str, jobs: list[Job]) -> list[Run]:
     experiment = query.experiment_id(uri(store), f"aa-{condition}")
     records = query.experiment_runs(uri(store), experiment)
-    by_job = {Path(r.tags.get("output_dir", "")).name: r for r in records}  # <sweep dir>/<k>
+    by_job = {Path(r.tags.get(OUTPUT_DIR, "")).name: r for r in records}  # <sweep dir>/<k>
     runs = []
     for job in jobs:
         record = by_job.get(str(job.number))
         if record is None:
             print(f"  [{condition}] job {job.number} ({job.side} r{job.repeat}) logged no run")
             continue
-        logged = record.tags.get("side"), record.tags.get("repeat_index")
+        logged = record.tags.get("side"), record.tags.get(REPEAT_INDEX)
         if logged != (job.side, str(job.repeat)):  # the sweeper's order is not the one assumed
             expected = job.side, job.repeat
             raise SystemExit(f"job {job.number} ran (side, repeat) {logged}, not {expected}")
         estimate, why = measure_estimate(record)
         probe = {
-            name: [v for _, v in query.metric_history(uri(store), record.run_id, f"noise/{name}")]
+            name: [
+                v for _, v in query.metric_history(uri(store), record.run_id, noise_metric(name))
+            ]
             for name in PROBE
         }
         runs.append(Run(job, record, estimate, why, probe))
@@ -348,7 +358,7 @@ def print_runs(runs: list[Run]) -> None:
         print(
             f"{job.side:<5}{job.repeat:>4}{'yes' if job.hogged else 'no':>5}  {text:<26}"
             f"{100 * half if half is not None else float('nan'):>6.1f}  "
-            f"{run.record.tags.get('noise', '?'):<10}"
+            f"{run.record.tags.get(NOISE, '?'):<10}"
             f"{per_epoch(run.probe['others_cores'], '{:.2f}'):>11}"
             f"{per_epoch(run.probe['cpu_util'], '{:.2f}'):>11}"
             f"{per_epoch(run.probe['step_spread'], '{:.1f}'):>11}"
@@ -442,7 +452,7 @@ def report(condition: str, sweep: Sweep, runs: list[Run]) -> list[tuple[str, boo
                 )
             else:
                 what = "hogged, not flagged"
-            evidence = r.record.tags.get("noise_evidence", "")
+            evidence = r.record.tags.get(NOISE_EVIDENCE, "")
             print(f"  {r.job.side} r{r.job.repeat}: {what}: {evidence}")
     goals = []
     if condition == "quiet":

@@ -28,8 +28,10 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
+from accelexp.record import DIAGNOSIS, SAMPLES_PER_S, TIME_PARTS, time_s
+
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("input", "forward", "backward", "optimizer", "comm", "other")
+PARTS = TIME_PARTS
 
 
 def run_job(strategy: str, nprocs: int, args: argparse.Namespace, store: Path, tag: str) -> dict:
@@ -59,13 +61,13 @@ def run_job(strategy: str, nprocs: int, args: argparse.Namespace, store: Path, t
         per_epoch = [m.value for m in sorted(history, key=lambda m: m.step)][1:]  # no warm-up
         return statistics.median(per_epoch)
 
-    step_ms = {part: 1e3 * after_warmup(f"time/{part}_s") / args.steps for part in PARTS}
+    step_ms = {part: 1e3 * after_warmup(time_s(part)) / args.steps for part in PARTS}
     return {
-        "samples_per_s": after_warmup("samples_per_s"),
+        "samples_per_s": after_warmup(SAMPLES_PER_S),
         "wall_s": wall,
         "cpu_s": cpu,
         "step_ms": step_ms,
-        "diagnosis": run.data.tags.get("diagnosis", "?"),
+        "diagnosis": run.data.tags.get(DIAGNOSIS, "?"),
     }
 
 

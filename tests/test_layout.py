@@ -7,6 +7,8 @@ module, lazy imports included), so a new arrow up fails here before it tangles t
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 
 from conftest import REPO
 
@@ -54,3 +56,14 @@ def test_no_package_imports_one_that_imports_it_back():
     assert {"parallel", "timing", "stats"} <= graph["engine"]  # the reader sees the imports
     cycles = [cycle for start in sorted(graph) if (cycle := cycle_through(start, graph))]
     assert cycles == [], "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_the_run_record_is_cheap_to_import():
+    """Writers and readers (the report, the config) import `accelexp.record`: it imports no other
+    part of accelexp, nor torch or mlflow."""
+    assert not arrows().get("record")
+    loaded = "import sys, accelexp.record; print(*sorted(sys.modules))"
+    modules = subprocess.run(
+        [sys.executable, "-c", loaded], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert not [m for m in modules if m.split(".")[0] in ("torch", "mlflow", "omegaconf")]

@@ -40,11 +40,10 @@ from omegaconf import DictConfig, OmegaConf
 from accelexp.diagnosis.run import is_out_of_memory
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
+from accelexp.record import MAX_BATCH, STEP_PEAK_MB, step_peak_kind_mb
 from accelexp.tracking import Tracker
 
 log = logging.getLogger(__name__)
-
-METRIC = TAG = "max_batch"
 
 
 @dataclass(frozen=True)
@@ -161,10 +160,10 @@ def step_memory(trial: _Trial, batch: int) -> dict[str, float]:
         trial.step(batch)
     trial.optimizer.zero_grad()
     peaks = tracker.get_tracker_snapshot("peak")[trial.strategy.device]
-    metrics = {"step_peak_mb": peaks["Total"] / 2**20}
+    metrics = {STEP_PEAK_MB: peaks["Total"] / 2**20}
     for kind, size in peaks.items():
         if kind != "Total":
-            metrics[f"step_peak_{kind.name.lower()}_mb"] = size / 2**20
+            metrics[step_peak_kind_mb(kind.name.lower())] = size / 2**20
     return metrics
 
 
@@ -189,9 +188,9 @@ def after_training(
         model, optimizer, precision, strategy, sample_shape, num_classes,
         cfg.data.batch_size, settings.limit, memory_format,
     )  # fmt: skip
-    tracker.set_tags({TAG: result.how})
+    tracker.set_tags({MAX_BATCH: result.how})
     if result.batch_size is not None:
-        tracker.log_metrics({METRIC: result.batch_size}, step=cfg.epochs)
+        tracker.log_metrics({MAX_BATCH: result.batch_size}, step=cfg.epochs)
     if strategy.device.type == "cpu":
         trial = _Trial(
             model, optimizer, precision, strategy, sample_shape, num_classes, memory_format

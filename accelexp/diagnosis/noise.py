@@ -54,6 +54,7 @@ import psutil
 import torch
 
 from accelexp.processes import JOB_ENV, job_processes
+from accelexp.record import NOISE, NOISE_CONTENDED, NOISE_EVIDENCE, NOISE_QUIET, noise_metric
 
 OTHERS_CORES = 0.5  # cores others kept busy: quiet reads <= 0.07, a one-core hog >= 0.7
 OTHERS_HINT = 0.25  # cores of others that corroborate low CPU utilisation or irregular steps
@@ -96,7 +97,7 @@ class NoiseSample:
 
     def metrics(self) -> dict[str, float | None]:
         """MLflow metrics `noise/<field>` (the numeric fields)."""
-        return {f"noise/{name}": getattr(self, name) for name in _numeric()}
+        return {noise_metric(name): getattr(self, name) for name in _numeric()}
 
     def to_tensor(self, device: torch.device) -> torch.Tensor:
         """Numeric fields, negated where lower is worse, so a MAX over ranks is the worst case.
@@ -258,7 +259,7 @@ class NoiseVerdict:
         text = "; ".join(self.evidence) or "none"
         if len(text) > TAG_MAX:
             text = text[: TAG_MAX - 3] + "..."
-        return {"noise": "contended" if self.contended else "quiet", "noise_evidence": text}
+        return {NOISE: NOISE_CONTENDED if self.contended else NOISE_QUIET, NOISE_EVIDENCE: text}
 
     def console(self) -> str:
         if not self.contended:

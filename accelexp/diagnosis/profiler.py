@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
+from accelexp import record
+
 log = logging.getLogger(__name__)
 
 # HTA's cut-offs for its CUDA kernel launch statistics (its defaults), in microseconds
@@ -187,13 +189,15 @@ class StepProfiler:
             return {}
         tracker.log_metrics(metrics, step=self.cfg.epoch)
         ranks = sum(map(bool, traces))
-        tracker.set_tags({"hta": f"run on the traces of {ranks} rank(s): see the hta/ metrics"})
+        tracker.set_tags(
+            {record.HTA: f"run on the traces of {ranks} rank(s): see the hta/ metrics"}
+        )
         log.info("HTA: %s", ", ".join(f"{k} {v:.3g}" for k, v in metrics.items()))
         return metrics
 
     def _not_run(self, tracker, reason: str, level: int = logging.INFO) -> None:
         log.log(level, "Holistic Trace Analysis %s", reason)
-        tracker.set_tags({"hta": reason})
+        tracker.set_tags({record.HTA: reason})
 
 
 def hta_figures(folder: Path) -> dict[str, float]:
@@ -222,17 +226,17 @@ def hta_figures(folder: Path) -> dict[str, float]:
     launch = pd.concat(launches.values())
     short = (launch.cpu_duration <= RUNTIME_CUTOFF_US) & (launch.gpu_duration < launch.cpu_duration)
     figures = {
-        "hta/idle_pct": temporal["idle_time_pctg"].mean(),
-        "hta/compute_pct": temporal["compute_time_pctg"].mean(),
-        "hta/non_compute_pct": temporal["non_compute_time_pctg"].mean(),
-        "hta/computation_kernel_pct": kind_pct.get("COMPUTATION", 0.0),
-        "hta/communication_kernel_pct": kind_pct.get("COMMUNICATION", 0.0),
-        "hta/memory_kernel_pct": kind_pct.get("MEMORY", 0.0),
-        "hta/idle_host_wait_pct": 100 * idle_time.get("host_wait", 0.0) / idle_total,
-        "hta/idle_kernel_wait_pct": 100 * idle_time.get("kernel_wait", 0.0) / idle_total,
-        "hta/comm_comp_overlap_pct": overlap["comp_comm_overlap_pctg"].mean(),
-        "hta/short_kernels_pct": 100 * short.mean(),
-        "hta/launch_delay_outliers_pct": 100
+        record.HTA_IDLE_PCT: temporal["idle_time_pctg"].mean(),
+        record.HTA_COMPUTE_PCT: temporal["compute_time_pctg"].mean(),
+        record.HTA_NON_COMPUTE_PCT: temporal["non_compute_time_pctg"].mean(),
+        record.HTA_COMPUTATION_KERNEL_PCT: kind_pct.get("COMPUTATION", 0.0),
+        record.HTA_COMMUNICATION_KERNEL_PCT: kind_pct.get("COMMUNICATION", 0.0),
+        record.HTA_MEMORY_KERNEL_PCT: kind_pct.get("MEMORY", 0.0),
+        record.HTA_IDLE_HOST_WAIT_PCT: 100 * idle_time.get("host_wait", 0.0) / idle_total,
+        record.HTA_IDLE_KERNEL_WAIT_PCT: 100 * idle_time.get("kernel_wait", 0.0) / idle_total,
+        record.HTA_COMM_COMP_OVERLAP_PCT: overlap["comp_comm_overlap_pctg"].mean(),
+        record.HTA_SHORT_KERNELS_PCT: 100 * short.mean(),
+        record.HTA_LAUNCH_DELAY_OUTLIERS_PCT: 100
         * (launch.launch_delay > LAUNCH_DELAY_CUTOFF_US).mean(),
     }
     return {name: float(value) for name, value in figures.items() if math.isfinite(value)}

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import torch
 from omegaconf import DictConfig
 
+from accelexp import record
 from accelexp.diagnosis import flops
 from accelexp.diagnosis.noise import NoiseSample, NoiseVerdict, judge
 from accelexp.diagnosis.verdict import RunFacts, Verdict, diagnose, memory_advice, usable
@@ -76,7 +77,7 @@ class RunDiagnosis:
         if noise is not None:
             self.noise.append(noise)
         noise_metrics = noise.metrics() if noise is not None else {}
-        return {**breakdown.metrics(), "achieved_gflops": achieved, **noise_metrics}
+        return {**breakdown.metrics(), record.ACHIEVED_GFLOPS: achieved, **noise_metrics}
 
     def noise_verdict(self) -> NoiseVerdict:
         return judge(self.noise, self.strategy.device.type, torch.get_num_threads())
@@ -109,7 +110,8 @@ class RunDiagnosis:
             )
         )
         log.info("%s", verdict.console())
-        tracker.log_metrics({"flop_utilisation": utilisation, "peak_gflops": peak and peak / 1e9})
+        peak_gflops = peak and peak / 1e9
+        tracker.log_metrics({record.FLOP_UTILISATION: utilisation, record.PEAK_GFLOPS: peak_gflops})
         tracker.set_tags({**verdict.tags(), **noise.tags()})
         tracker.log_text(verdict.markdown(run_name) + noise.markdown(), "diagnosis.md")
         return verdict
@@ -124,7 +126,7 @@ class RunDiagnosis:
         """The one message of a run that ran out of memory (`error`: the allocator's)."""
         device = self.strategy.device
         total = device_memory_mb(device)
-        peak = self.strategy.memory_metrics().get("peak_mem_mb")
+        peak = self.strategy.memory_metrics().get(record.PEAK_MEM_MB)
         reached = f"peak {peak:.0f} MB" if peak is not None else "peak unknown"
         if total:
             reached += f" of {total:.0f} MB"

@@ -32,6 +32,7 @@ printed with every verdict, so a borderline case can be judged by the numbers.
 from __future__ import annotations
 
 import copy
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from accelexp import record
 from accelexp.config import ConfigError, validate
 from accelexp.config.catalog import flatten
 from accelexp.timing import Breakdown
@@ -87,9 +89,9 @@ class Verdict:
 
     def tags(self) -> dict[str, str]:
         return {
-            "diagnosis": self.bound,
-            "diagnosis_detail": self.detail,
-            "diagnosis_next": self.advice[0][0] if self.advice else "",
+            record.DIAGNOSIS: self.bound,
+            record.DIAGNOSIS_DETAIL: self.detail,
+            record.DIAGNOSIS_NEXT: self.advice[0][0] if self.advice else "",
         }
 
     def console(self) -> str:
@@ -139,14 +141,14 @@ def evidence_lines(facts: RunFacts) -> list[str]:
             f"model FLOPs at {100 * facts.flop_utilisation:.1f}% of this device's measured "
             f"matmul peak"
         )
-    hta = facts.hta
-    if "hta/idle_pct" in hta:
+    hta = defaultdict(lambda: float("nan"), facts.hta)
+    if record.HTA_IDLE_PCT in hta:
         lines.append(
-            f"HTA (profiled steps): GPU idle {hta['hta/idle_pct']:.0f}% (host wait "
-            f"{hta.get('hta/idle_host_wait_pct', float('nan')):.0f}% of it), compute kernels "
-            f"{hta.get('hta/compute_pct', float('nan')):.0f}%, communication overlapped "
-            f"{hta.get('hta/comm_comp_overlap_pct', float('nan')):.0f}%, short kernels "
-            f"{hta.get('hta/short_kernels_pct', float('nan')):.0f}% of launches"
+            f"HTA (profiled steps): GPU idle {hta[record.HTA_IDLE_PCT]:.0f}% (host wait "
+            f"{hta[record.HTA_IDLE_HOST_WAIT_PCT]:.0f}% of it), compute kernels "
+            f"{hta[record.HTA_COMPUTE_PCT]:.0f}%, communication overlapped "
+            f"{hta[record.HTA_COMM_COMP_OVERLAP_PCT]:.0f}%, short kernels "
+            f"{hta[record.HTA_SHORT_KERNELS_PCT]:.0f}% of launches"
         )
     if facts.peak_mem_mb is not None:
         of_total = f" of {facts.device_mem_mb:.0f} MB" if facts.device_mem_mb else ""

@@ -27,6 +27,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 from torch.utils.data import DistributedSampler, Sampler
 
+from accelexp import record
 from accelexp.errors import AccelexpError
 from accelexp.parallel.world import World, WorldShape
 from accelexp.precision import Precision
@@ -142,7 +143,7 @@ class Placement:
 
     def memory_metrics(self, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
         """Peak memory since the last reset (the busiest device's, on CUDA)."""
-        return {"peak_mem_mb": max(peak_memory_mb(device) for device in set(self.devices))}
+        return {record.PEAK_MEM_MB: max(peak_memory_mb(device) for device in set(self.devices))}
 
 
 class Sync:
@@ -330,8 +331,8 @@ class Strategy:
         """Facts about the world that are logged with the run."""
         return {
             **self.shape.describe(),
-            "num_devices": self.num_devices,
-            "device_type": self.device.type,
+            record.NUM_DEVICES: self.num_devices,
+            record.DEVICE_TYPE: self.device.type,
             **self.placement.describe(),
             **self.sync.describe(),
         }
@@ -339,7 +340,7 @@ class Strategy:
     def tags(self) -> dict[str, str]:
         """The two parts of the strategy, as tags to filter runs by (all DDP-synced runs, ddp's
         and hybrid's: `tags.sync = 'ddp'`)."""
-        return {"placement": self.placement.name, "sync": self.sync.name}
+        return {record.PLACEMENT: self.placement.name, record.SYNC: self.sync.name}
 
     # --- memory ------------------------------------------------------------------------------
     def reset_memory_stats(self) -> None:
@@ -352,7 +353,7 @@ class Strategy:
         metrics = self.placement.memory_metrics(self.optimizer)
         if self.model is not None:
             params = list(self.unwrap(self.model).parameters())
-            metrics["state_mem_mb"] = state_bytes(params, self.optimizer) / 2**20
+            metrics[record.STATE_MEM_MB] = state_bytes(params, self.optimizer) / 2**20
         return metrics
 
     # --- model and optimizer ----------------------------------------------------------------

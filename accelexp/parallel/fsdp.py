@@ -56,6 +56,7 @@ from torch.distributed.fsdp import (
 )
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from accelexp import record
 from accelexp.errors import ConfigError
 from accelexp.models import layer_sequence
 from accelexp.parallel.distributed import TorchDistributed
@@ -151,8 +152,8 @@ class FSDPSync(TorchDistributed):
         return model
 
     def describe(self) -> dict[str, int | str]:
-        facts = {"fsdp_units": self.units, "fsdp_fp32_norm_groups": self.norm_groups}
-        return facts | ({"fsdp_compiled_layers": self.compiled} if self.compiled else {})
+        facts = {record.FSDP_UNITS: self.units, record.FSDP_FP32_NORM_GROUPS: self.norm_groups}
+        return facts | ({record.FSDP_COMPILED_LAYERS: self.compiled} if self.compiled else {})
 
     @contextlib.contextmanager
     def backward_context(self, model: nn.Module, sync: bool):

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from accelexp import record
 from accelexp.errors import ConfigError
 from accelexp.parallel.base import Placement, peak_memory_mb, resolve_device, state_bytes
 from accelexp.parallel.pipeline import Pipeline, split_layers
@@ -143,17 +144,17 @@ class Stages(Placement):
 
     def describe(self) -> dict[str, int | str]:
         facts: dict[str, int | str] = {
-            "stages": len(self.devices),
-            "split_points": str(self.split_points),
+            record.STAGES: len(self.devices),
+            record.SPLIT_POINTS: str(self.split_points),
         }
         pipeline = self.pipeline
         for k, (params, layers, device) in enumerate(
             zip(pipeline.stage_params(), pipeline.stage_layers(), self.devices, strict=True)
         ):
             facts |= {
-                f"stage{k}_params": params,
-                f"stage{k}_layers": layers,
-                f"stage{k}_device": str(device),
+                record.stage_fact(k, "params"): params,
+                record.stage_fact(k, "layers"): layers,
+                record.stage_fact(k, "device"): str(device),
             }
         return facts
 
@@ -168,7 +169,7 @@ class Stages(Placement):
             peaks = [peak_memory_mb(device) for device in self.devices]
         else:
             peaks = [self._held_mb(k, optimizer) for k in range(len(self.devices))]
-        return metrics | {f"stage{k}_peak_mem_mb": mb for k, mb in enumerate(peaks)}
+        return metrics | {record.stage_peak_mem_mb(k): mb for k, mb in enumerate(peaks)}
 
     def _held_mb(self, stage: int, optimizer: torch.optim.Optimizer | None) -> float:
         """Parameters, gradients, optimizer state and saved activations of one stage, in MiB."""

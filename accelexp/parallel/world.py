@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from accelexp.errors import AccelexpError, ConfigError
+from accelexp.record import DEVICES_PER_REPLICA, REPLICAS, WORLD_SIZE
 
 if TYPE_CHECKING:  # torch is imported by the code that builds a shape, not by launchers
     import torch
@@ -97,9 +98,9 @@ class WorldShape:
 
     def describe(self) -> dict[str, int]:
         return {
-            "world_size": self.world_size,
-            "replicas": self.replicas,
-            "devices_per_replica": self.devices_per_replica,
+            WORLD_SIZE: self.world_size,
+            REPLICAS: self.replicas,
+            DEVICES_PER_REPLICA: self.devices_per_replica,
         }
 
 

@@ -17,7 +17,7 @@ same parallelism, then the newest. Scaling efficiency is speedup per added worke
 a mixed-precision row's throughput by an fp32 run that differs from it in the precision only
 (`AMP_VARIES`). "Differs" is read from everything a run logs about itself: its params (the whole
 resolved config, the world's shape, the torch version, where the data lives), its config tags and
-its `device` tag — except the keys that cannot change speed (`IGNORED_KEYS`, `IGNORED_PREFIXES`:
+its `device` tag — except the keys that cannot change speed (`accelexp.record.ignored_for_speed`:
 tracking, seed, progress output, evaluation-only sizes, facts derived from the model and data).
 A key only one of two runs logged is not compared (it did not exist yet). When no like-for-like run
 exists the figure stays blank and `Row.note` says why, naming the nearest run and how it differs.
@@ -46,37 +46,58 @@ from dataclasses import dataclass, fields
 from accelexp import stats
 from accelexp.errors import AccelexpError
 from accelexp.parallel import STRATEGIES
+from accelexp.record import (
+    BEST_VAL_ACC,
+    COMPILE_S,
+    CONFIG_ID,
+    DATA,
+    DEVICE,
+    FSDP_UNITS,
+    MODEL,
+    NOISE,
+    NOISE_CONTENDED,
+    NOISE_EVIDENCE,
+    PARALLELISM,
+    PARENT_RUN,
+    PEAK_MEM_MB,
+    PRECISION,
+    REPEAT_INDEX,
+    REPEATS,
+    SAMPLES_PER_S,
+    SPEED,
+    STAGE_FACT,
+    TEST_ACC,
+    THROUGHPUT,
+    THROUGHPUT_HIGH,
+    THROUGHPUT_LOW,
+    THROUGHPUT_STEPS,
+    TIME_TO_TARGET_S,
+    TIMED_STEPS,
+    WORLD_SHAPE,
+    WORLD_SIZE,
+    ignored_for_speed,
+)
 from accelexp.stats import Estimate
 from accelexp.tracking.query import RunRecord
 
 DEFAULT_BASELINE = "world_size=1,precision=fp32"
-BASELINE_KEYS = ("world_size", "precision", "parallelism", "model", "data", "speed")
-CONFIG_KEYS = ("parallelism", "world_size", "precision", "speed", "model", "data")  # a run's name
+BASELINE_KEYS = (WORLD_SIZE, PRECISION, PARALLELISM, MODEL, DATA, SPEED)
+CONFIG_KEYS = (PARALLELISM, WORLD_SIZE, PRECISION, SPEED, MODEL, DATA)  # a run's name
 PARALLELISM_ORDER = tuple(STRATEGIES)  # single, dp, ddp, horovod, fsdp, model, hybrid
 PRECISION_ORDER = ("fp32", "amp", "bf16")
 SPEED_ORDER = ("eager",)  # then the others alphabetically
-SETTING_DEFAULTS = {"speed": "eager"}  # what runs logged before the setting existed had
+SETTING_DEFAULTS = {SPEED: "eager"}  # what runs logged before the setting existed had
 MIN_STEADY_STEPS = 10  # timed steps a throughput needs, over the epochs it uses (module doc)
 
 # --- what "like for like" compares --------------------------------------------------------------
-# not compared: where runs are tracked, their seed (same speed, other numbers), how they report
-# progress, evaluation-only sizes, where data is read from, facts that follow from the model and
-# data config (which is compared), and the device asked for (`auto`: the device used is compared,
-# as the params `device_type` and the tag `device`)
-IGNORED_KEYS = frozenset(
-    {"seed", "resume", "progress", "log_every_n_steps", "target_accuracy", "data.root",
-     "data.download", "data.eval_batch_size", "data.num_test", "num_params", "train_samples",
-     "device", "repeats", "repeat_seed", "repeat_index"}
-)  # fmt: skip
-IGNORED_PREFIXES = ("mlflow.", "max_batch.")
+# not compared: the params that cannot change speed (accelexp.record.ignored_for_speed)
 # params that repeat a config tag (compared as the tag)
-TAGGED_PARAMS = {"model.name", "data.name", "parallelism.name", "precision.name", "world_size"}
-COMPARED_TAGS = (*CONFIG_KEYS, "device")  # "device": the tag only, e.g. "NVIDIA H200"
-# the world's shape: what scaling changes (besides parallelism.*), from Strategy.describe()
-# the world's shape, and how a CPU's cores are split among its workers (`threads`: left unset,
-# the launcher gives each of N workers 1/N of the cores, so 1 and 2 workers differ in it)
-WORLD_FACTS = re.compile(r"(world_size|replicas|devices_per_replica|num_devices|stages|"
-                         r"split_points|stage\d+_\w+|fsdp_units|threads)")  # fmt: skip
+TAGGED_PARAMS = {*(f"{tag}.name" for tag in (MODEL, DATA, PARALLELISM, PRECISION)), WORLD_SIZE}
+COMPARED_TAGS = (*CONFIG_KEYS, DEVICE)  # "device": the tag only, e.g. "NVIDIA H200"
+# the world's shape: what scaling changes (besides parallelism.*), from Strategy.describe(), and
+# how a CPU's cores are split among its workers (`threads`: left unset, the launcher gives each
+# of N workers 1/N of the cores, so 1 and 2 workers differ in it)
+WORLD_FACTS = re.compile(f"({'|'.join([*WORLD_SHAPE, STAGE_FACT.pattern, FSDP_UNITS, 'threads'])})")
 PRECISION_KEYS = re.compile(r"precision(\..+)?")
 SPEEDUP_VARIES = re.compile(rf"parallelism(\..+)?|{PRECISION_KEYS.pattern}|{WORLD_FACTS.pattern}")
 AMP_VARIES = PRECISION_KEYS
@@ -134,7 +155,7 @@ class Row:
         """The run's name, with its status when it did not finish, and how many repeats."""
         name = self.run_name if self.status == "FINISHED" else f"{self.run_name} ({self.status})"
         name = f"{name} ×{self.repeats}" if self.repeats > 1 else name
-        return f"{name} [contended]" if self.noise == "contended" else name
+        return f"{name} [contended]" if self.noise == NOISE_CONTENDED else name
 
     def estimate(self, figure: str) -> Estimate | None:
         value = getattr(self, figure)
@@ -175,16 +196,16 @@ def measure_estimate(record: RunRecord) -> tuple[Estimate | None, str]:
     the first, with the batch-means interval of their step times) is read as that; an older one
     by the rule of its time (the median of those epochs' `samples_per_s`), without an interval.
     """
-    values = [value for _, value in record.history("samples_per_s")]
+    values = [value for _, value in record.history(SAMPLES_PER_S)]
     if not values:
-        return None, "no samples_per_s logged"
+        return None, f"no {SAMPLES_PER_S} logged"
     used = values[1:] or values
     # the last epoch's timed steps: an epoch after the first times all its steps, so every one
     # of `used` timed as many (a one-epoch run: the steps after warm-up)
-    timed = record.metrics.get("timed_steps")
+    timed = record.metrics.get(TIMED_STEPS)
     if timed is None and len(values) == 1:
         return None, (
-            "its only epoch includes warm-up (logged before timed_steps existed); "
+            f"its only epoch includes warm-up (logged before {TIMED_STEPS} existed); "
             "train 2 epochs or more"
         )
     steady = int(timed) * len(used) if timed is not None else None
@@ -194,9 +215,9 @@ def measure_estimate(record: RunRecord) -> tuple[Estimate | None, str]:
             f"(raise max_steps_per_epoch or epochs)"
         )
     metrics = record.metrics
-    if (value := metrics.get("throughput")) is not None:
-        low, high = metrics.get("throughput_low"), metrics.get("throughput_high")
-        steps = int(metrics.get("throughput_steps") or steady or 1)
+    if (value := metrics.get(THROUGHPUT)) is not None:
+        low, high = metrics.get(THROUGHPUT_LOW), metrics.get(THROUGHPUT_HIGH)
+        steps = int(metrics.get(THROUGHPUT_STEPS) or steady or 1)
         return Estimate(value, low, high, steps, "batch means" if low is not None else ""), ""
     return Estimate(statistics.median(used)), ""
 
@@ -209,29 +230,28 @@ def throughput(record: RunRecord) -> float | None:
 
 def peak_memory(record: RunRecord) -> float | None:
     """The highest per-epoch peak (MB), else the run's last logged peak."""
-    peaks = [value for _, value in record.history("peak_mem_mb")]
-    return max(peaks) if peaks else record.metrics.get("peak_mem_mb")
+    peaks = [value for _, value in record.history(PEAK_MEM_MB)]
+    return max(peaks) if peaks else record.metrics.get(PEAK_MEM_MB)
 
 
 def world_size(record: RunRecord) -> int | None:
     try:
-        return int(record.setting("world_size") or "")
+        return int(record.setting(WORLD_SIZE) or "")
     except ValueError:
         return None
 
 
 def comparable_settings(record: RunRecord) -> dict[str, str]:
-    """What a run was, for like-for-like checks: params and config tags, less `IGNORED_KEYS`."""
+    """What a run was, for like-for-like checks: params and config tags, less the params that
+    cannot change speed (`accelexp.record.ignored_for_speed`)."""
     params = {
         key: value
         for key, value in record.params.items()
-        if key not in IGNORED_KEYS
-        and key not in TAGGED_PARAMS
-        and not key.startswith(IGNORED_PREFIXES)
+        if not ignored_for_speed(key) and key not in TAGGED_PARAMS
     }
     tags = {key: value for key in CONFIG_KEYS if (value := setting(record, key))}
-    if device := record.tags.get("device"):
-        tags["device"] = device
+    if device := record.tags.get(DEVICE):
+        tags[DEVICE] = device
     return tags | params
 
 
@@ -303,24 +323,24 @@ def group_key(record: RunRecord) -> str:
     their `config_id` (accelexp.train), where they were run with `repeats` > 1; any other run is
     a configuration of its own."""
     try:
-        repeats = int(record.tags.get("repeats") or 1)
+        repeats = int(record.tags.get(REPEATS) or 1)
     except ValueError:
         repeats = 1
-    config = record.tags.get("config_id")
+    config = record.tags.get(CONFIG_ID)
     if repeats <= 1 or not config:
         return record.run_id
-    return f"{record.tags.get('mlflow.parentRunId', '')}/{config}"
+    return f"{record.tags.get(PARENT_RUN, '')}/{config}"
 
 
 def contention(record: RunRecord) -> str:
     """Why a run's speed is set aside ("" when it is not): the evidence of its `noise` tag."""
-    if record.tags.get("noise") != "contended":
+    if record.tags.get(NOISE) != NOISE_CONTENDED:
         return ""
-    return record.tags.get("noise_evidence") or "other work shared the machine"
+    return record.tags.get(NOISE_EVIDENCE) or "other work shared the machine"
 
 
 def repeat_label(record: RunRecord) -> str:
-    index = record.tags.get("repeat_index")
+    index = record.tags.get(REPEAT_INDEX)
     return f"r{int(index) + 1}" if index not in (None, "") and index.isdigit() else record.name
 
 
@@ -372,11 +392,11 @@ class Group:
     def by_repeat(self) -> dict[str, Estimate]:
         """The usable runs' throughputs by repeat index (the key ratios pair them by)."""
         runs = self.usable
-        return {r.tags.get("repeat_index", r.run_id): self.measured[r.run_id][0] for r in runs}  # type: ignore[misc]
+        return {r.tags.get(REPEAT_INDEX, r.run_id): self.measured[r.run_id][0] for r in runs}  # type: ignore[misc]
 
     @property
     def sweep(self) -> str | None:
-        return self.first.tags.get("mlflow.parentRunId")
+        return self.first.tags.get(PARENT_RUN)
 
     def name(self) -> str:
         name = self.first.name
@@ -436,13 +456,13 @@ def compare(
             run_name=grouped.name(),
             run_id=record.run_id,
             status=record.status,
-            parallelism=setting(record, "parallelism") or "",
+            parallelism=setting(record, PARALLELISM) or "",
             world_size=world_size(record),
-            precision=setting(record, "precision") or "",
-            speed=setting(record, "speed") or "",
-            model=setting(record, "model") or "",
-            data=setting(record, "data") or "",
-            device=record.tags.get("device", ""),
+            precision=setting(record, PRECISION) or "",
+            speed=setting(record, SPEED) or "",
+            model=setting(record, MODEL) or "",
+            data=setting(record, DATA) or "",
+            device=record.tags.get(DEVICE, ""),
         )
         if grouped.finished:
             comparison.fill(row, grouped)
@@ -468,19 +488,19 @@ class _Comparison:
     def fill(self, row: Row, grouped: Group) -> None:
         finished, shown = grouped.finished, grouped.shown
         row.status = "FINISHED"
-        accuracy = [r.metrics["test_acc"] for r in shown or finished if "test_acc" in r.metrics]
+        accuracy = [r.metrics[TEST_ACC] for r in shown or finished if TEST_ACC in r.metrics]
         if accuracy:
             row.test_acc, row.test_acc_sd = stats.mean_sd(accuracy)
-        best = [r.metrics["best_val_acc"] for r in shown or finished if "best_val_acc" in r.metrics]
+        best = [r.metrics[BEST_VAL_ACC] for r in shown or finished if BEST_VAL_ACC in r.metrics]
         row.best_val_acc = statistics.fmean(best) if best else None
-        targets = [r.metrics["time_to_target_s"] for r in shown if "time_to_target_s" in r.metrics]
+        targets = [r.metrics[TIME_TO_TARGET_S] for r in shown if TIME_TO_TARGET_S in r.metrics]
         row.time_to_target_s = stats.olympic_mean(targets) if targets else None
-        compiles = [r.metrics["compile_s"] for r in shown if "compile_s" in r.metrics]
+        compiles = [r.metrics[COMPILE_S] for r in shown if COMPILE_S in r.metrics]
         row.compile_s = statistics.median(compiles) if compiles else None
         peaks = [p for r in shown or finished if (p := peak_memory(r)) is not None]
         row.peak_mem_mb = max(peaks) if peaks else None
         notes = self.set_aside(grouped)
-        row.noise = "contended" if grouped.contended else ""
+        row.noise = NOISE_CONTENDED if grouped.contended else ""
         samples = grouped.throughput()
         if samples is None:
             row.note = "; ".join([*notes, self_why(grouped)])
@@ -509,7 +529,7 @@ class _Comparison:
         else:
             notes.append(note)
         if row.precision != "fp32":
-            fp32_runs = [g for g in self.finished if setting(g.first, "precision") == "fp32"]
+            fp32_runs = [g for g in self.finished if setting(g.first, PRECISION) == "fp32"]
             fp32, note = self.like_for_like(
                 grouped, mine, fp32_runs, AMP_VARIES, "fp32 run",
                 "no finished fp32 run to take an AMP gain over",
@@ -553,9 +573,9 @@ class _Comparison:
         diffs = {g.key: differences(mine, comparable_settings(g.first), varies) for g in others}
         alike = [g for g in others if not diffs[g.key]]
         usable = [g for g in alike if g.usable]
-        parallelism = setting(grouped.first, "parallelism")
+        parallelism = setting(grouped.first, PARALLELISM)
         if usable:
-            return max(usable, key=lambda g: (setting(g.first, "parallelism") == parallelism,
+            return max(usable, key=lambda g: (setting(g.first, PARALLELISM) == parallelism,
                                               g.start_time)), ""  # fmt: skip
         if alike:
             other = max(alike, key=lambda g: g.start_time)
@@ -563,7 +583,7 @@ class _Comparison:
             return None, f"the like-for-like {what}, {other.name()}, has no throughput: {why}"
         nearest = min(
             others,
-            key=lambda g: (len(diffs[g.key]), setting(g.first, "parallelism") != parallelism,
+            key=lambda g: (len(diffs[g.key]), setting(g.first, PARALLELISM) != parallelism,
                            -g.start_time),
         )  # fmt: skip
         return None, (
@@ -587,12 +607,12 @@ def _no_baseline_message(records: Sequence[RunRecord], wanted: dict[str, str]) -
     finished = [r for r in records if r.status == "FINISHED"]
     example = min(  # the likeliest baseline: fp32 with the fewest workers
         finished,
-        key=lambda r: (r.setting("precision") != "fp32", world_size(r) or 0),
+        key=lambda r: (r.setting(PRECISION) != "fp32", world_size(r) or 0),
         default=None,
     )
     hint = (
-        f'; e.g. --baseline "world_size={example.setting("world_size")},'
-        f'precision={example.setting("precision")}"'
+        f'; e.g. --baseline "world_size={example.setting(WORLD_SIZE)},'
+        f'precision={example.setting(PRECISION)}"'
         if example is not None
         else ""
     )

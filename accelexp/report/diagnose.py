@@ -18,12 +18,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+from accelexp.record import (
+    DIAGNOSIS,
+    DIAGNOSIS_DETAIL,
+    DIAGNOSIS_NEXT,
+    FLOP_UTILISATION,
+    TIME_COMM_OVERLAP,
+    TIME_GPU_BUSY,
+    TIME_METRICS,
+    TIME_PARTS,
+    time_s,
+)
 from accelexp.report.compare import compare, group
 from accelexp.tracking.query import RunRecord
 
-SEGMENTS = ("input", "forward", "backward", "optimizer", "comm", "other")  # time/<segment>_s
+SEGMENTS = TIME_PARTS  # time_s(segment): time/input_s...
 OPTIONAL_SEGMENTS = frozenset({"comm"})  # 0 when not logged (a single process never waits on one)
-NO_ACCOUNTING = "no time/* metrics: predates the time accounting, or stopped before an epoch ended"
+NO_ACCOUNTING = (
+    f"no {TIME_METRICS} metrics: predates the time accounting, or stopped before an epoch ended"
+)
 
 
 @dataclass
@@ -61,9 +74,9 @@ def segment_seconds(record: RunRecord) -> dict[str, float] | None:
     """Seconds per segment in the run's last epoch (the metrics' values at their last step), or
     None when the run logged no time accounting."""
     last = record.metrics  # MLflow keeps each metric's value at its highest step: the last epoch
-    if any(f"time/{s}_s" not in last for s in SEGMENTS if s not in OPTIONAL_SEGMENTS):
+    if any(time_s(s) not in last for s in SEGMENTS if s not in OPTIONAL_SEGMENTS):
         return None
-    seconds = {s: last.get(f"time/{s}_s", 0.0) for s in SEGMENTS}
+    seconds = {s: last.get(time_s(s), 0.0) for s in SEGMENTS}
     return seconds if sum(seconds.values()) > 0 else None
 
 
@@ -78,9 +91,9 @@ def diagnosis_row(record: RunRecord) -> DiagnosisRow:
         run_name=record.name,
         run_id=record.run_id,
         status=record.status,
-        bound=record.tags.get("diagnosis") or None,
-        next_override=record.tags.get("diagnosis_next") or None,
-        detail=record.tags.get("diagnosis_detail") or None,
+        bound=record.tags.get(DIAGNOSIS) or None,
+        next_override=record.tags.get(DIAGNOSIS_NEXT) or None,
+        detail=record.tags.get(DIAGNOSIS_DETAIL) or None,
     )
     seconds = segment_seconds(record)
     if seconds is None:
@@ -91,9 +104,9 @@ def diagnosis_row(record: RunRecord) -> DiagnosisRow:
         setattr(row, f"{segment}_pct", 100 * value / total)
     row.step_time_s = total
     row.compute_pct = 100 * (seconds["forward"] + seconds["backward"]) / total
-    row.gpu_busy_pct = _percent(record, "time/gpu_busy")
-    row.comm_overlap_pct = _percent(record, "time/comm_overlap")
-    row.flop_utilisation_pct = _percent(record, "flop_utilisation")
+    row.gpu_busy_pct = _percent(record, TIME_GPU_BUSY)
+    row.comm_overlap_pct = _percent(record, TIME_COMM_OVERLAP)
+    row.flop_utilisation_pct = _percent(record, FLOP_UTILISATION)
     return row
 
 
@@ -111,7 +124,7 @@ def footnote(rows: Sequence[DiagnosisRow]) -> str | None:
     if not missing:
         return None
     return (
-        f"— no time/* metrics for {', '.join(missing)}: "
+        f"— no {TIME_METRICS} metrics for {', '.join(missing)}: "
         f"{'it predates' if len(missing) == 1 else 'they predate'} the time accounting "
         f"(or stopped before an epoch ended)."
     )

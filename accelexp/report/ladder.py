@@ -21,6 +21,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from accelexp import stats
+from accelexp.record import (
+    BEST_VAL_ACC,
+    COMPILE_S,
+    DATA,
+    MODEL,
+    PRECISION,
+    RUNG,
+    RUNG_INDEX,
+    SPEED,
+    TEST_ACC,
+)
 from accelexp.report.compare import (
     Group,
     comparable_settings,
@@ -98,15 +109,15 @@ LADDER_COLUMNS = tuple(f.name for f in fields(LadderRow))
 def rung_index(record: RunRecord) -> int | None:
     """The run's `rung_index` tag, else its `rung`'s place in RUNG_NAMES; None off the ladder."""
     try:
-        return int(record.setting("rung_index") or "")
+        return int(record.setting(RUNG_INDEX) or "")
     except ValueError:
-        rung = record.setting("rung")
+        rung = record.setting(RUNG)
         return RUNG_NAMES.index(rung) if rung in RUNG_NAMES else None
 
 
 def _rung_name(index: int, runs_by_index: dict[int, list[RunRecord]]) -> str:
     for record in runs_by_index.get(index, []):
-        if name := record.setting("rung"):
+        if name := record.setting(RUNG):
             return name
     return RUNG_NAMES[index] if 0 <= index < len(RUNG_NAMES) else f"rung {index}"
 
@@ -144,18 +155,18 @@ def ladder(records: Sequence[RunRecord]) -> list[LadderRow]:
             status=record.status,
             run_name=repeats.name(),
             run_id=record.run_id,
-            precision=setting(record, "precision"),
-            speed=setting(record, "speed"),
-            model=setting(record, "model"),
-            data=setting(record, "data"),
+            precision=setting(record, PRECISION),
+            speed=setting(record, SPEED),
+            model=setting(record, MODEL),
+            data=setting(record, DATA),
         )
         rows.append(row)
         if record.status != "FINISHED":
             continue
         row.note = repeats.measured[record.run_id][1]
-        row.compile_s = record.metrics.get("compile_s")
-        row.best_val_acc = record.metrics.get("best_val_acc")
-        row.test_acc = record.metrics.get("test_acc")
+        row.compile_s = record.metrics.get(COMPILE_S)
+        row.best_val_acc = record.metrics.get(BEST_VAL_ACC)
+        row.test_acc = record.metrics.get(TEST_ACC)
         row.peak_mem_mb = peak_memory(record)
         samples = repeats.throughput() if repeats.usable else None
         if samples is None:

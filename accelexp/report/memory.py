@@ -26,6 +26,18 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from accelexp.record import (
+    DATA,
+    DEVICE,
+    MAX_BATCH,
+    MODEL,
+    NUM_DEVICES,
+    PARALLELISM,
+    PEAK_MEM_MB,
+    PRECISION,
+    STATE_MEM_MB,
+    STEP_PEAK_MB,
+)
 from accelexp.report.compare import PARALLELISM_ORDER, measure, peak_memory, setting, world_size
 from accelexp.report.formats import Layout, to_csv, to_markdown
 from accelexp.report.plots import _legend_outside, _save, series_styles, title_subject
@@ -137,13 +149,13 @@ def memory_row(record: RunRecord) -> MemoryRow:
         run_name=record.name,
         run_id=record.run_id,
         status=record.status,
-        model=setting(record, "model") or "",
-        parallelism=setting(record, "parallelism") or "",
+        model=setting(record, MODEL) or "",
+        parallelism=setting(record, PARALLELISM) or "",
         world_size=world_size(record),
-        num_devices=_int(record.params.get("num_devices")) or world_size(record),
-        precision=setting(record, "precision") or "",
-        data=setting(record, "data") or "",
-        device=record.tags.get("device", ""),
+        num_devices=_int(record.params.get(NUM_DEVICES)) or world_size(record),
+        precision=setting(record, PRECISION) or "",
+        data=setting(record, DATA) or "",
+        device=record.tags.get(DEVICE, ""),
     )
     if record.status != "FINISHED":
         row.note = f"{record.status}: no figures"
@@ -157,20 +169,20 @@ def memory_row(record: RunRecord) -> MemoryRow:
         row.samples_per_s_per_device = samples / (row.num_devices or 1)
     row.peak_mem_mb = peak_memory(record)
     if row.peak_mem_mb is None:
-        notes.append("no peak_mem_mb logged")
-    state = record.metrics.get("state_mem_mb")  # what one worker holds, over all its devices
+        notes.append(f"no {PEAK_MEM_MB} logged")
+    state = record.metrics.get(STATE_MEM_MB)  # what one worker holds, over all its devices
     if state is None:
-        notes.append("no state_mem_mb logged (a run from before it existed)")
+        notes.append(f"no {STATE_MEM_MB} logged (a run from before it existed)")
     else:  # a worker over several devices (model, hybrid): split evenly among them
         row.state_mem_mb = state / max(1, (row.num_devices or 1) // (row.world_size or 1))
-    step = record.metrics.get("step_peak_mb")  # on a CPU, measured after training
+    step = record.metrics.get(STEP_PEAK_MB)  # on a CPU, measured after training
     if step is not None:
         row.step_peak_mb = step / max(1, (row.num_devices or 1) // (row.world_size or 1))
-    searched = record.metrics.get("max_batch")
+    searched = record.metrics.get(MAX_BATCH)
     if searched is not None:
         row.max_batch = int(searched)
     else:
-        notes.append(f"max batch {record.tags['max_batch']}" if "max_batch" in record.tags
+        notes.append(f"max batch {record.tags[MAX_BATCH]}" if MAX_BATCH in record.tags
                      else NOT_SEARCHED)  # fmt: skip
     row.note = NOTE_SEPARATOR.join(notes)
     return row

@@ -25,6 +25,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from accelexp.record import ELAPSED_S, VAL_ACC
 from accelexp.report.compare import PRECISION_ORDER, Row
 from accelexp.report.diagnose import SEGMENTS, DiagnosisRow
 from accelexp.report.ladder import LadderRow, ladder_subject
@@ -359,8 +360,8 @@ def accuracy_vs_time_figure(rows: Sequence[Row], records: Sequence[RunRecord]) -
         record = by_id.get(row.run_id)
         if record is None:
             continue
-        elapsed = dict(record.history("elapsed_s"))
-        points = [(elapsed[s], acc) for s, acc in record.history("val_acc") if s in elapsed]
+        elapsed = dict(record.history(ELAPSED_S))
+        points = [(elapsed[s], acc) for s, acc in record.history(VAL_ACC) if s in elapsed]
         if points:
             curves.append((row, points))
     if not curves:

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from accelexp.errors import AccelexpError
+from accelexp.record import ELAPSED_S, PARENT_RUN, PEAK_MEM_MB, SAMPLES_PER_S, SWEEP_PARENT, VAL_ACC
 from accelexp.tracking.runs import check_reachable, store_lock
 
-HISTORY_KEYS = ("samples_per_s", "val_acc", "elapsed_s", "peak_mem_mb")
-SWEEP_TAG = "accelexp.sweep"
+HISTORY_KEYS = (SAMPLES_PER_S, VAL_ACC, ELAPSED_S, PEAK_MEM_MB)  # the report reads each epoch's
 PAGE_SIZE = 1000  # runs or experiments per search request
 
 
@@ -150,7 +150,7 @@ def _record(client: Any, run: Any, histories: bool = True) -> RunRecord:
 
 
 def _is_sweep_parent(run: Any) -> bool:
-    return run.data.tags.get(SWEEP_TAG) == "true"
+    return run.data.tags.get(SWEEP_PARENT) == "true"
 
 
 # --- what the report asks -----------------------------------------------------------------------
@@ -202,7 +202,7 @@ def latest_sweep(uri: str, experiment: str | None = None) -> RunRecord:
         parents = (
             client.search_runs(
                 ids,
-                filter_string=f"tags.`{SWEEP_TAG}` = 'true'",
+                filter_string=f"tags.`{SWEEP_PARENT}` = 'true'",
                 max_results=1,
                 order_by=["attributes.start_time DESC"],
             )
@@ -223,7 +223,7 @@ def child_runs(uri: str, parent_run_id: str) -> list[RunRecord]:
     client = _client(uri)
     with _mlflow_errors(uri):
         runs = _search_runs(
-            client, [parent.experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'"
+            client, [parent.experiment_id], f"tags.{PARENT_RUN} = '{parent_run_id}'"
         )
         return [_record(client, run) for run in runs]
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from accelexp import record
 from accelexp.errors import AccelexpError
 from accelexp.tracking import credentials
 
@@ -210,8 +211,8 @@ class Tracker:
             return
         self.run_id = run_id
         self._client.update_run(run_id, status="RUNNING")
-        self._client.set_tag(run_id, "resumed_after_epoch", str(epoch))
-        self._client.set_tag(run_id, "output_dir", str(output_dir.resolve()))
+        self._client.set_tag(run_id, record.RESUMED_AFTER_EPOCH, str(epoch))
+        self._client.set_tag(run_id, record.OUTPUT_DIR, str(output_dir.resolve()))
         log.info("MLflow run %s continues after epoch %d", run_id, epoch)
 
     # --- runs to continue (resume) -------------------------------------------------------
@@ -220,7 +221,7 @@ class Tracker:
         from mlflow.exceptions import MlflowException
 
         try:
-            return self._client.get_run(run_id).data.tags.get("output_dir")
+            return self._client.get_run(run_id).data.tags.get(record.OUTPUT_DIR)
         except MlflowException:
             return None
 
@@ -229,11 +230,13 @@ class Tracker:
         failed, or still marked running), newest first."""
         runs = self._client.search_runs(
             [self.experiment_id],
-            filter_string=f"tags.config_hash = '{config_hash}' and attributes.status != 'FINISHED'",
+            filter_string=f"tags.{record.CONFIG_HASH} = '{config_hash}' "
+            "and attributes.status != 'FINISHED'",
             order_by=["attributes.start_time DESC"],
             max_results=50,
         )
-        return [run.data.tags["output_dir"] for run in runs if "output_dir" in run.data.tags]
+        folder = record.OUTPUT_DIR
+        return [run.data.tags[folder] for run in runs if folder in run.data.tags]
 
     # --- during the run -------------------------------------------------------------------
     def log_metrics(self, metrics: Mapping[str, float | None], step: int | None = None) -> None:
@@ -430,14 +433,14 @@ def run_tags(cfg: DictConfig, world_size: int, overrides: Sequence[str] = ()) ->
     """What a run is, as tags to group and filter by in the MLflow UI and the report; then
     `mlflow.tags`, the user's own (a study's rung, say)."""
     return {
-        "parallelism": cfg.parallelism.name,
-        "precision": cfg.precision.name,
-        "model": cfg.model.name,
-        "data": cfg.data.name,
-        "world_size": str(world_size),
-        "repeat_index": str(cfg.repeat_index),  # which of the sweep's `repeats` this run is
-        "repeats": str(cfg.repeats),
-        "overrides": credentials.redact(" ".join(overrides)),
+        record.PARALLELISM: cfg.parallelism.name,
+        record.PRECISION: cfg.precision.name,
+        record.MODEL: cfg.model.name,
+        record.DATA: cfg.data.name,
+        record.WORLD_SIZE: str(world_size),
+        record.REPEAT_INDEX: str(cfg.repeat_index),
+        record.REPEATS: str(cfg.repeats),
+        record.OVERRIDES: credentials.redact(" ".join(overrides)),
         **{str(k): str(v) for k, v in (cfg.mlflow.get("tags") or {}).items()},
     }
 
@@ -446,7 +449,7 @@ def _sweep_tags() -> dict[str, str]:
     parent = os.environ.get(PARENT_RUN_ENV)
     if not parent:
         return {}
-    return {"mlflow.parentRunId": parent, "sweep": os.environ.get(SWEEP_NAME_ENV, parent)}
+    return {record.PARENT_RUN: parent, record.SWEEP: os.environ.get(SWEEP_NAME_ENV, parent)}
 
 
 def record_failure(
@@ -508,7 +511,7 @@ def start_sweep(mlflow_cfg: DictConfig, name: str, grid: Mapping[str, str], swee
     tracker = Tracker(mlflow_cfg)
     tracker.connect()
     client = tracker._client
-    tags = {"accelexp.sweep": "true", "sweep_dir": sweep_dir, **_git_tags()}
+    tags = {record.SWEEP_PARENT: "true", record.SWEEP_DIR: sweep_dir, **_git_tags()}
     run_id = client.create_run(tracker.experiment_id, run_name=name, tags=tags).info.run_id
     items = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in grid.items()]
     for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
@@ -528,7 +531,7 @@ def end_sweep(
     client = RetryingClient(mlflow_cfg.tracking_uri)
     experiment_id = client.get_run(run_id).info.experiment_id
     children = client.search_runs(
-        [experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'", max_results=10000
+        [experiment_id], filter_string=f"tags.{record.PARENT_RUN} = '{run_id}'", max_results=10000
     )
     failed = sum(child.info.status == "FAILED" for child in children)
     client.set_terminated(run_id, status=status or ("FAILED" if failed else "FINISHED"))
@@ -545,4 +548,4 @@ def _git_tags() -> dict[str, str]:
         ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return {}
-    return {"git_commit": commit} if commit else {}
+    return {record.GIT_COMMIT: commit} if commit else {}

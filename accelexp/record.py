@@ -1,0 +1,230 @@
+"""The run record: every metric, param and tag name a run writes to MLflow, spelled once.
+
+Writers (`train`, `diagnosis`, `parallel`, `timing`, `tracking.runs`) and readers (`report`,
+`tracking.query`) import the names from here. The values are MLflow's keys: changing one splits
+old runs from new ones. Also here, once: which config keys do not change what a run computes (the
+training identity: `training_config`, `config_hash`, `config_id`; a checkpoint resumes only its
+own training) and which cannot change its speed either (what the report's like-for-like
+comparisons ignore, `ignored_for_speed`).
+
+Imports nothing of accelexp and nothing heavy (no torch, no mlflow): the config and the report
+read it cheaply.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+# --- metrics of every epoch (step = the epoch) -----------------------------------------------
+TRAIN_LOSS = "train_loss"
+TRAIN_ACC = "train_acc"
+VAL_LOSS = "val_loss"
+VAL_ACC = "val_acc"
+LR = "lr"  # at the epoch's start
+EPOCH_TIME_S = "epoch_time_s"
+SAMPLES_PER_S = "samples_per_s"  # over the epoch's timed steps, all workers together
+SAMPLES_PER_S_PER_DEVICE = "samples_per_s_per_device"
+TIMED_STEPS = "timed_steps"  # the steps samples_per_s was measured over (warm-up left out)
+GRAD_SCALE = "grad_scale"  # the AMP loss scale
+COMPILE_S = "compile_s"  # seconds torch.compile took in the epoch
+ELAPSED_S = "elapsed_s"  # training seconds since the run began (earlier attempts included)
+ACHIEVED_GFLOPS = "achieved_gflops"  # per device
+# memory since the epoch's start: the busiest device's allocator peak (CUDA), else peak RSS
+PEAK_MEM_MB = "peak_mem_mb"
+STATE_MEM_MB = "state_mem_mb"  # parameters, gradients, optimizer state on this process
+
+
+def stage_peak_mem_mb(stage: int) -> str:
+    """The peak of one stage's device, for a model cut into stages."""
+    return f"stage{stage}_peak_mem_mb"
+
+
+# where the timed steps' time went (accelexp.timing): seconds per part, and a few figures
+TIME_PARTS = ("input", "forward", "backward", "optimizer", "comm", "other")
+TIME_COMM_INFLIGHT_S = "time/comm_inflight_s"  # communication in flight, hidden or not
+TIME_COMM_OVERLAP = "time/comm_overlap"  # the share of it hidden behind compute (0..1)
+TIME_GPU_BUSY = "time/gpu_busy"  # the share of the timed steps the GPU was surely busy (0..1)
+TIME_METRICS = "time/*"  # the family, as messages name it
+
+
+def time_s(part: str) -> str:
+    """Seconds of the timed steps spent in `part` (one of TIME_PARTS): `time/input_s`."""
+    return f"time/{part}_s"
+
+
+def noise_metric(figure: str) -> str:
+    """A contention figure of the epoch's timed steps (accelexp.diagnosis.noise)."""
+    return f"noise/{figure}"
+
+
+# --- metrics at the run's end (step = the last epoch) ----------------------------------------
+BEST_VAL_ACC = "best_val_acc"
+TEST_LOSS = "test_loss"  # of the best checkpoint
+TEST_ACC = "test_acc"  # of the best checkpoint
+TOTAL_TIME_S = "total_time_s"
+TIME_TO_TARGET_S = "time_to_target_s"  # when val_acc first reached target_accuracy
+THROUGHPUT = "throughput"  # samples/s, steady state: the epochs after the first
+THROUGHPUT_LOW = "throughput_low"  # its 95 % interval (batch means)
+THROUGHPUT_HIGH = "throughput_high"
+THROUGHPUT_STEPS = "throughput_steps"  # the timed steps it was measured over
+FLOP_UTILISATION = "flop_utilisation"  # achieved FLOP/s over the device's measured peak (0..1)
+PEAK_GFLOPS = "peak_gflops"  # the device's measured matmul peak
+MAX_BATCH = "max_batch"  # the largest batch per worker that fit (also a tag: how it was found)
+STEP_PEAK_MB = "step_peak_mb"  # one training step's peak of live tensors (CPU, MemTracker)
+
+
+def step_peak_kind_mb(kind: str) -> str:
+    """STEP_PEAK_MB's share of one kind of tensor: `step_peak_activation_mb`."""
+    return f"step_peak_{kind}_mb"
+
+
+# HTA's figures of the profiled epoch (accelexp.diagnosis.profiler), percentages
+HTA_IDLE_PCT = "hta/idle_pct"
+HTA_COMPUTE_PCT = "hta/compute_pct"
+HTA_NON_COMPUTE_PCT = "hta/non_compute_pct"
+HTA_COMPUTATION_KERNEL_PCT = "hta/computation_kernel_pct"
+HTA_COMMUNICATION_KERNEL_PCT = "hta/communication_kernel_pct"
+HTA_MEMORY_KERNEL_PCT = "hta/memory_kernel_pct"
+HTA_IDLE_HOST_WAIT_PCT = "hta/idle_host_wait_pct"
+HTA_IDLE_KERNEL_WAIT_PCT = "hta/idle_kernel_wait_pct"
+HTA_COMM_COMP_OVERLAP_PCT = "hta/comm_comp_overlap_pct"
+HTA_SHORT_KERNELS_PCT = "hta/short_kernels_pct"
+HTA_LAUNCH_DELAY_OUTLIERS_PCT = "hta/launch_delay_outliers_pct"
+
+# --- params: the resolved config flattened (`model.name`, `data.batch_size`...), and -----------
+TORCH_VERSION = "torch_version"
+NUM_PARAMS = "num_params"  # the model's
+TRAIN_SAMPLES = "train_samples"
+DATA_PLACEMENT = "data_placement"  # where batches are made (also a tag)
+# the world's shape (Strategy.describe)
+WORLD_SIZE = "world_size"  # processes (also a tag)
+REPLICAS = "replicas"
+DEVICES_PER_REPLICA = "devices_per_replica"
+NUM_DEVICES = "num_devices"
+DEVICE_TYPE = "device_type"  # cpu, cuda
+STAGES = "stages"  # a model cut into stages: how many
+SPLIT_POINTS = "split_points"
+FSDP_UNITS = "fsdp_units"
+FSDP_FP32_NORM_GROUPS = "fsdp_fp32_norm_groups"
+FSDP_COMPILED_LAYERS = "fsdp_compiled_layers"
+
+
+def stage_fact(stage: int, fact: str) -> str:
+    """A fact of one stage (`params`, `layers`, `device`): `stage0_params`."""
+    return f"stage{stage}_{fact}"
+
+
+STAGE_FACT = re.compile(r"stage\d+_\w+")  # every stage_fact (and stage_peak_mem_mb)
+# what scaling changes (besides parallelism.*): the world's shape, and how a model is cut
+WORLD_SHAPE = (WORLD_SIZE, REPLICAS, DEVICES_PER_REPLICA, NUM_DEVICES, STAGES, SPLIT_POINTS)
+
+# --- tags: what a run is (tracking.run_tags), to group and filter by ---------------------------
+PARALLELISM = "parallelism"
+PRECISION = "precision"
+MODEL = "model"
+DATA = "data"
+REPEAT_INDEX = "repeat_index"  # which of the sweep's `repeats` this run is
+REPEATS = "repeats"
+OVERRIDES = "overrides"  # the command line's, credentials redacted
+PLACEMENT = "placement"  # where a replica's layers live (the strategy's first part)
+SYNC = "sync"  # how replicas agree (its second part)
+SPEED = "speed"  # the speed switches on (SpeedSwitches.summary); each switch also its own tag
+DEVICE = "device"  # what one process computes on: `cpu`, `NVIDIA H200 x2`
+HOST = "host"
+CONFIG_HASH = "config_hash"  # the training a config describes (resume=auto looks runs up by it)
+CONFIG_ID = "config_id"  # the same less seed and repeat index: one row of the report per repeats
+OUTPUT_DIR = "output_dir"  # the job's folder, where its checkpoints are
+RESUMED_AFTER_EPOCH = "resumed_after_epoch"
+GIT_COMMIT = "git_commit"
+# the user's own (`mlflow.tags`), that the speed-up ladder's rungs set (conf/rung)
+RUNG = "rung"
+RUNG_INDEX = "rung_index"
+# a sweep: its parent run is tagged SWEEP_PARENT=true and SWEEP_DIR; its jobs PARENT_RUN, SWEEP
+SWEEP_PARENT = "accelexp.sweep"
+SWEEP_DIR = "sweep_dir"
+PARENT_RUN = "mlflow.parentRunId"  # MLflow's own: the UI nests the run under its parent
+SWEEP = "sweep"  # the sweep's name
+# what the run's end found (accelexp.diagnosis)
+DIAGNOSIS = "diagnosis"  # the bound: input, overhead, compute, communication, memory, contended
+DIAGNOSIS_DETAIL = "diagnosis_detail"
+DIAGNOSIS_NEXT = "diagnosis_next"  # the first override to try
+NOISE = "noise"  # quiet | contended: was the machine shared while the run was timed
+NOISE_CONTENDED = "contended"
+NOISE_QUIET = "quiet"
+NOISE_EVIDENCE = "noise_evidence"
+HTA = "hta"  # whether Holistic Trace Analysis ran on the profiled epoch, or why not
+# MAX_BATCH (above) is also a tag
+
+# --- which config keys do not change what a run computes -------------------------------------
+# How a run is watched, not what it computes: a resumed run may differ in them, and neither
+# config_hash nor config_id sees them. A group name stands for all its keys.
+NOT_TRAINING = frozenset(
+    {
+        "resume",
+        "repeats",  # how many repeats a sweep runs (each one's repeat_index and seed do count)
+        "repeat_seed",
+        "max_batch",  # a search after training: the training is the same with or without it
+        "progress",
+        "log_every_n_steps",
+        "threads",
+        "mlflow",
+        "debug",
+        "profile",
+        "profiler",
+    }
+)
+# of those, the ones that can change a run's speed: a like-for-like comparison keeps them
+# (`threads`: left unset, the launcher gives each of N workers 1/N of the cores)
+NOT_TRAINING_BUT_TIMED = frozenset({"threads", "debug", "profile", "profiler"})
+# what changes a run's numbers or names its inputs, never its speed: the seed (same speed, other
+# numbers), the target it is timed to, evaluation-only sizes, where data is read from, the device
+# asked for (`auto`: the device used is compared, as `device_type` and the tag `device`), which
+# repeat it is, and facts that follow from the model and data config (which is compared)
+NOT_SPEED = frozenset(
+    {
+        "seed",
+        "target_accuracy",
+        "data.root",
+        "data.download",
+        "data.eval_batch_size",
+        "data.num_test",
+        "device",
+        REPEAT_INDEX,
+        NUM_PARAMS,
+        TRAIN_SAMPLES,
+    }
+)
+IGNORED_FOR_SPEED = (NOT_TRAINING - NOT_TRAINING_BUT_TIMED) | NOT_SPEED
+
+
+def ignored_for_speed(key: str) -> bool:
+    """A param (a flattened config key, `mlflow.tracking_uri`) that cannot change a run's speed."""
+    return key in IGNORED_FOR_SPEED or key.partition(".")[0] in IGNORED_FOR_SPEED
+
+
+def training_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of a resolved config that decide what a run computes (all but `NOT_TRAINING`)."""
+    return {k: v for k, v in config.items() if k not in NOT_TRAINING}
+
+
+def config_hash(resolved: Mapping[str, Any]) -> str:
+    """Identifies the training a config describes (`resume=auto` looks runs up by it)."""
+    return _digest(training_config(resolved))
+
+
+def config_id(resolved: Mapping[str, Any]) -> str:
+    """Identifies a configuration across its repeats: the training it describes less its seed
+    and repeat index, with the user's own tags (`mlflow.tags`: an A/A test's two sides, say).
+    The report groups a sweep's runs of one `config_id` into one row."""
+    training = training_config(resolved)
+    training = {k: v for k, v in training.items() if k not in ("seed", REPEAT_INDEX)}
+    return _digest({"training": training, "tags": resolved.get("mlflow", {}).get("tags") or {}})
+
+
+def _digest(identity: Mapping[str, Any]) -> str:
+    text = json.dumps(identity, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
