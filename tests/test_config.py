@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from conftest import CONF_DIR, group_options
 from hydra import compose, initialize_config_dir
@@ -9,7 +11,15 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from accelexp.config import ConfigError, register_configs, validate
-from accelexp.config.catalog import primary_groups
+from accelexp.config.catalog import options_declaring, primary_groups
+from accelexp.config.schema import Config
+from accelexp.record import (
+    NOT_SPEED,
+    NOT_TRAINING,
+    NOT_TRAINING_BUT_TIMED,
+    NUM_PARAMS,
+    TRAIN_SAMPLES,
+)
 
 EXPECTED_OPTIONS = {
     "model": {"simple_cnn", "resnet18", "resnet50"},
@@ -166,3 +176,12 @@ def test_what_a_user_adds_with_plus_is_accepted(compose_cfg, overrides):
 
 def test_a_tag_added_with_plus_is_kept(compose_cfg):
     assert compose_cfg("+mlflow.tags.study=x").mlflow.tags == {"study": "x"}
+
+
+def test_the_keys_the_run_record_sets_apart_are_config_keys():
+    """A misspelt key in `accelexp.record` would silently count as training, or as speed."""
+    top = {field.name for field in dataclasses.fields(Config)}
+    config_keys = NOT_TRAINING | NOT_TRAINING_BUT_TIMED | (NOT_SPEED - {NUM_PARAMS, TRAIN_SAMPLES})
+    for key in config_keys:
+        group, _, name = key.partition(".")
+        assert options_declaring(group, name) if name else key in top, key
