@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from accelexp import callbacks, signals, startup
+from accelexp import outcome, signals, startup
 from accelexp.config import register_configs
 from accelexp.config.help import register_help
 from accelexp.errors import AccelexpError, ConfigError
@@ -34,17 +34,13 @@ def main(cfg: DictConfig) -> float | None:
     from accelexp.launch import launch  # torch loads after Hydra has parsed the command line
     from accelexp.parallel import run_label
     from accelexp.parallel.world import current_world
-    from accelexp.tracking import credentials
     from accelexp.tracking.runs import RUN_ID_FILE, close_run, record_failure, run_tags
 
     hydra_cfg = HydraConfig.get()
     output_dir = hydra_cfg.runtime.output_dir
     overrides = OmegaConf.to_container(hydra_cfg.overrides.task)  # as typed: ${...} unresolved
     # user:password@ in the tracking URI: into MLflow's env variables, out of all that is recorded
-    typed_uri = cfg.mlflow.tracking_uri
-    cfg.mlflow.tracking_uri = credentials.use_uri_credentials(typed_uri)
-    credentials.scrub_hydra_files(output_dir, typed_uri)
-    overrides = [credentials.strip(override) for override in overrides]
+    overrides = outcome.keep_credentials_out(cfg.mlflow, overrides, output_dir)
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
     # a reused run folder: the run recorded there is another job's, never this one's to close
     (Path(output_dir) / RUN_ID_FILE).unlink(missing_ok=True)
@@ -56,15 +52,15 @@ def main(cfg: DictConfig) -> float | None:
     except KeyboardInterrupt as error:
         stop = signals.interruption(error)
         if current_world().rank == 0:  # its workers may have died before closing the run
-            close_run(cfg.mlflow, output_dir, "KILLED")
-        callbacks.abort_sweep("KILLED")
+            close_run(cfg.mlflow, output_dir, outcome.KILLED)
+        outcome.current_sweep_state().abort(outcome.KILLED)
         log.warning(
             "Stopped by %s. The run is KILLED; what it logged is kept. Its last checkpoint is in "
             "%s/checkpoints: continue with the same command and resume=auto.",
             stop.name,
             output_dir,
         )
-        sys.exit(stop.exit_code)
+        sys.exit(outcome.exit_code(stop))
     except Exception as error:
         ours = isinstance(error, AccelexpError)
         log.error("%s", error if ours else traceback.format_exc())
@@ -76,7 +72,7 @@ def main(cfg: DictConfig) -> float | None:
         if in_sweep:
             return None  # the sweep goes on; its parent run ends FAILED and says which job
         if ours:
-            sys.exit(2)
+            sys.exit(outcome.EXIT_BAD_INPUT)
         raise
 
 

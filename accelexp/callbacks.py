@@ -5,9 +5,11 @@ the sweep's overrides, tagged with the sweep dir, the override grid as params), 
 through the environment so each job's run — in this process, in worker processes or in a
 submitit/Slurm job — is its child; closed after the last job with a summary table and plots as
 artifacts (`report/report.html` among them), FAILED if any child failed, and one line gives the
-link that opens the report in the MLflow UI; KILLED on SIGINT/SIGTERM (`abort_sweep`). A single
-run has no parent. A sweep whose parent cannot be opened (an unreachable tracking server, say)
-stops before its first job, exit 2; one whose parent cannot be closed exits 1.
+link that opens the report in the MLflow UI; KILLED on SIGINT/SIGTERM (`abort`). A single run
+has no parent. A sweep whose parent cannot be opened (an unreachable tracking server, say) stops
+before its first job, exit 2; one whose parent cannot be closed exits 1. While its jobs run the
+callback is registered with the `accelexp.outcome.SweepState` of the `run_main` running it,
+which closes the parent on a signal or error between jobs and exits 1 after failed jobs.
 """
 
 from __future__ import annotations
@@ -21,34 +23,10 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict, read_write
 
+from accelexp import outcome
 from accelexp.errors import AccelexpError
 
 log = logging.getLogger(__name__)
-
-# children of the last sweep that FAILED: `run.py` exits non-zero after a sweep with failures
-failed_in_last_sweep = 0
-
-
-# (mlflow config, parent run id) of the sweep this process is running, for `abort_sweep`
-_active_sweep: tuple[DictConfig, str] | None = None
-
-
-def abort_sweep(status: str = "KILLED") -> None:
-    """Close the parent run of the sweep running in this process, if any (on SIGINT/SIGTERM,
-    Hydra stops without calling `on_multirun_end`)."""
-    global _active_sweep
-    if _active_sweep is None:
-        return
-    from accelexp.tracking.runs import end_sweep
-
-    mlflow_cfg, run_id = _active_sweep
-    _active_sweep = None
-    try:
-        children, failed, link = end_sweep(mlflow_cfg, run_id, status)
-    except Exception as error:
-        log.warning("Could not close the sweep's parent run %s: %s", run_id, error)
-        return
-    log.warning("Sweep %s after %d runs (%d failed): %s", status, children, failed, link)
 
 
 def sweep_grid(config: DictConfig) -> dict[str, str]:
@@ -73,18 +51,19 @@ def sweep_name(grid: dict[str, str]) -> str:
 class MlflowSweep(Callback):
     def __init__(self) -> None:
         self.run_id: str | None = None
+        self.mlflow_cfg: DictConfig | None = None
+        self.state = outcome.SweepState()  # run_main's, once the sweep starts
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from accelexp.tracking import credentials
         from accelexp.tracking.runs import start_sweep
 
         # user:password@ in the tracking URI: into MLflow's env variables (the jobs inherit them),
         # out of the overrides the jobs are composed from and of multirun.yaml, written after this
         with read_write(config), open_dict(config):
-            config.mlflow.tracking_uri = credentials.use_uri_credentials(config.mlflow.tracking_uri)
-            overrides = config.hydra.overrides.task
-            config.hydra.overrides.task = [credentials.strip(o) for o in overrides]
-            config.hydra.job.override_dirname = credentials.strip(config.hydra.job.override_dirname)
+            overrides = [*config.hydra.overrides.task, config.hydra.job.override_dirname]
+            *overrides, dirname = outcome.keep_credentials_out(config.mlflow, overrides)
+            config.hydra.overrides.task = overrides
+            config.hydra.job.override_dirname = dirname
         grid = sweep_grid(config)
         try:
             self.run_id = start_sweep(config.mlflow, sweep_name(grid), grid, config.hydra.sweep.dir)
@@ -93,10 +72,23 @@ class MlflowSweep(Callback):
             # a parent, into a store that may not work, exiting 0. Stop the sweep here instead.
             ours = isinstance(error, AccelexpError)
             log.error("The sweep cannot start: %s", error if ours else traceback.format_exc())
-            sys.exit(2)
+            sys.exit(outcome.EXIT_BAD_INPUT)
         log.info("MLflow parent run %s for this sweep", self.run_id)
-        global _active_sweep
-        _active_sweep = (config.mlflow, self.run_id)
+        self.mlflow_cfg = config.mlflow
+        self.state = outcome.current_sweep_state()
+        self.state.started(self)
+
+    def abort(self, status: str) -> None:
+        """Close the parent run as `status` (on SIGINT/SIGTERM, or an error between jobs, Hydra
+        stops without calling `on_multirun_end`)."""
+        from accelexp.tracking.runs import end_sweep
+
+        try:
+            children, failed, link = end_sweep(self.mlflow_cfg, self.run_id, status)
+        except Exception as error:
+            log.warning("Could not close the sweep's parent run %s: %s", self.run_id, error)
+            return
+        log.warning("Sweep %s after %d runs (%d failed): %s", status, children, failed, link)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.run_id is None:
@@ -112,17 +104,13 @@ class MlflowSweep(Callback):
             report = SWEEP_REPORT
         except Exception as error:  # a report problem must not lose the sweep's runs
             log.warning("Could not write the sweep's summary: %s", error)
-        global failed_in_last_sweep, _active_sweep
-        _active_sweep = None
+        self.state.running = None  # closing it here: a signal from now on closes nothing
         try:
-            children, failed_in_last_sweep, link = end_sweep(
-                config.mlflow, self.run_id, artifact=report
-            )
+            children, failed, link = end_sweep(config.mlflow, self.run_id, artifact=report)
         except Exception as error:  # Hydra would make it a warning and exit 0
             log.error("Could not close the sweep's parent run %s: %s", self.run_id, error)
-            failed_in_last_sweep = 1  # run.py exits non-zero
+            self.state.ended(failed=1)  # run.py exits non-zero
             return
+        self.state.ended(failed)
         what = "Report" if report else "Parent run"
-        log.info(
-            "Sweep done: %d runs, %d failed. %s: %s", children, failed_in_last_sweep, what, link
-        )
+        log.info("Sweep done: %d runs, %d failed. %s: %s", children, failed, what, link)

@@ -1,12 +1,12 @@
 """The training loop: epochs of train and evaluate, knowing only the component interfaces.
 
 `Trainer` sees a `Strategy` (where the work runs, how ranks agree), a `Precision` (autocast and
-loss scaling) and a plain optimizer and scheduler. Per-step work is the forward pass, backward
-pass, optimizer and scheduler step and two on-device additions for the epoch's loss and accuracy;
-the host reads numbers back only for the progress bar (at steps 1, 2, 4, ... then every
-`log_every` steps: `figures_due`; a bar on a terminal, a plain line at most every `LINE_EVERY_S`
-seconds when the output is piped, e.g. a Slurm log, so no `\r` frames land in it), and at the
-end of the epoch, once, summed over all ranks.
+loss scaling) and a plain optimizer and scheduler. Per-step work is one training step
+(`accelexp.step.train_step`: forward, backward, optimizer and scheduler step) and two on-device
+additions for the epoch's loss and accuracy; the host reads numbers back only for the progress
+bar (at steps 1, 2, 4, ... then every `log_every` steps: `figures_due`; a bar on a terminal, a
+plain line at most every `LINE_EVERY_S` seconds when the output is piped, e.g. a Slurm log, so no
+`\r` frames land in it), and at the end of the epoch, once, summed over all ranks.
 
 The first epoch a `Trainer` trains starts with warm-up steps that are left out of the epoch's
 timing, so that even a one-epoch run's `samples_per_s` is steady-state (`timed_steps` says over
@@ -47,15 +47,8 @@ from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
 from accelexp.stats import Estimate
-from accelexp.timing import (
-    BACKWARD,
-    FORWARD,
-    INPUT,
-    OPTIMIZER,
-    OTHER,
-    Breakdown,
-    StepClock,
-)
+from accelexp.step import train_step
+from accelexp.timing import INPUT, OTHER, Breakdown, StepClock
 
 log = logging.getLogger(__name__)
 LINE_EVERY_S = 10.0  # the least time between two progress lines of piped output
@@ -218,19 +211,11 @@ class Trainer:
             if step == steps:
                 break
             clock.mark(INPUT)
-            step_now = (step + 1) % accumulate == 0 or step + 1 == steps
-            with self.strategy.backward_context(self.model, sync=step_now):
-                with self.precision.autocast():
-                    logits = self.model(images)
-                    loss = F.cross_entropy(logits, labels)
-                clock.mark(FORWARD)
-                self.precision.backward(loss / accumulate if accumulate > 1 else loss)
-            clock.mark(BACKWARD)
-            if step_now:
-                self.strategy.optimizer_step(self.optimizer, self.precision)
-                self.optimizer.zero_grad()  # set_to_none by default since torch 2.0
-                self.scheduler.step()
-            clock.mark(OPTIMIZER)
+            loss, logits = train_step(
+                self.model, images, labels, self.optimizer, self.precision, self.strategy,
+                scheduler=self.scheduler, accumulate=accumulate,
+                step_now=(step + 1) % accumulate == 0 or step + 1 == steps, clock=clock,
+            )  # fmt: skip
             loss_sum += loss.detach() * len(labels)
             correct += (logits.argmax(1) == labels).sum()
             seen += len(labels)

@@ -14,53 +14,58 @@ import os
 import sys
 from collections.abc import Callable
 
-from accelexp import callbacks, signals
+from accelexp import outcome, signals
 
 
 def run_main(main: Callable[[], object]) -> int:
-    """Run Hydra's `main`; the process's exit code."""
-    from hydra.errors import CompactHydraException
-    from omegaconf.errors import InterpolationResolutionError
-
-    from accelexp.config.validate import misplaced_key, unresolved_reason
-
+    """Run Hydra's `main`; the process's exit code (`accelexp.outcome`)."""
     signals.install()
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
     empty = _empty_run_dir(sys.argv[1:])
     if empty:
         print(f"Error: {empty}", file=sys.stderr)
-        return 2
-    try:
-        main()
-    except KeyboardInterrupt as error:
-        stop = signals.interruption(error)
-        callbacks.abort_sweep("KILLED")
-        print(f"Stopped by {stop.name}.", file=sys.stderr)
-        return stop.exit_code
-    except Exception as error:
-        callbacks.abort_sweep("FAILED")  # a sweep that got as far as its parent run
-        if full_error:
-            raise
-        if isinstance(error, CompactHydraException):  # Hydra's own message, printed as it does
-            key = getattr(error.__cause__, "full_key", None)  # unless the key is in a sibling
-            hint = misplaced_key(key) if key else ""  # option: "+key" would not help then
-            parts = (hint,) if hint else (error, error.__cause__)
-            print(*(part for part in parts if part), sep="\n", file=sys.stderr)
-            return 1
-        if isinstance(error, OSError):
-            message = (
-                f"{error.strerror or error}: {error.filename}. If it is the run's folder, set "
-                f"hydra.run.dir=PATH (hydra.sweep.dir=PATH with -m) to a folder you can write."
-            )
-        elif isinstance(error, InterpolationResolutionError):
-            key = error.full_key or "the key"  # none: an override read as a string
-            message = f"{error.full_key or 'An override'}: {unresolved_reason(error, key)}"
-        else:
-            message = f"{type(error).__name__}: {error}"
-        print(f"Error: {message}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
-        return 2 if isinstance(error, OSError | InterpolationResolutionError | ValueError) else 1
-    return 1 if callbacks.failed_in_last_sweep else 0
+        return outcome.EXIT_BAD_INPUT
+    with outcome.sweep_state() as sweep:
+        try:
+            main()
+        except KeyboardInterrupt as error:
+            sweep.abort(outcome.KILLED)
+            print(f"Stopped by {signals.interruption(error).name}.", file=sys.stderr)
+            return outcome.exit_code(error)
+        except Exception as error:
+            sweep.abort(outcome.FAILED)  # a sweep that got as far as its parent run
+            if full_error:
+                raise
+            say(error)
+            return outcome.exit_code(error)
+        return sweep.exit_code
+
+
+def say(error: Exception) -> None:
+    """`error`, which ended `run.py` outside its job, in a line or two on stderr."""
+    from hydra.errors import CompactHydraException
+    from omegaconf.errors import InterpolationResolutionError
+
+    from accelexp.config.validate import misplaced_key, unresolved_reason
+
+    if isinstance(error, CompactHydraException):  # Hydra's own message, printed as it does
+        key = getattr(error.__cause__, "full_key", None)  # unless the key is in a sibling
+        hint = misplaced_key(key) if key else ""  # option: "+key" would not help then
+        parts = (hint,) if hint else (error, error.__cause__)
+        print(*(part for part in parts if part), sep="\n", file=sys.stderr)
+        return
+    if isinstance(error, OSError):
+        message = (
+            f"{error.strerror or error}: {error.filename}. If it is the run's folder, set "
+            f"hydra.run.dir=PATH (hydra.sweep.dir=PATH with -m) to a folder you can write."
+        )
+    elif isinstance(error, InterpolationResolutionError):
+        key = error.full_key or "the key"  # none: an override read as a string
+        message = f"{error.full_key or 'An override'}: {unresolved_reason(error, key)}"
+    else:
+        message = f"{type(error).__name__}: {error}"
+    print(f"Error: {message}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
 
 
 def _empty_run_dir(args: list[str]) -> str | None:

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
-from accelexp import checkpoint, record
+from accelexp import checkpoint, outcome, record
 from accelexp.config import ConfigError, validate
 from accelexp.config.catalog import flatten
 from accelexp.data import SOURCES, BatchLoader, DataBundle, build_data, resolve_on_device
@@ -278,13 +278,10 @@ def _run(
             cfg, trainer.model, optimizer, precision, strategy, sample_shape, data.num_classes,
             tracker, switches.memory_format,
         )  # fmt: skip
-    except (KeyboardInterrupt, SystemExit):  # a signal; SystemExit: submitit's requeue
-        tracker.end("KILLED")
+    except BaseException as error:  # KILLED by a signal or submitit's requeue, else FAILED
+        tracker.end(outcome.status_of(error))
         raise
-    except BaseException:
-        tracker.end("FAILED")
-        raise
-    tracker.end("FINISHED")
+    tracker.end(outcome.FINISHED)
     diagnosis.say_noise()
     return metrics
 

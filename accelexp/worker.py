@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from accelexp import signals
+from accelexp import outcome, signals
 from accelexp.errors import AccelexpError
 from accelexp.parallel.world import current_world
 
@@ -49,10 +49,10 @@ def main(spec: Path) -> None:
         if isinstance(error, KeyboardInterrupt):
             stop = signals.interruption(error)
             logging.getLogger("accelexp").warning("Stopped by %s.", stop.name)
-            sys.exit(stop.exit_code)
+            sys.exit(outcome.exit_code(stop))
         if ours:
             logging.getLogger("accelexp").error("%s", error)
-            sys.exit(1)
+            sys.exit(outcome.EXIT_FAILED)  # the launcher's job says it, and exits 2
         raise
     if world.rank == 0:
         (spec / "result.json").write_text(json.dumps(metrics))

@@ -19,7 +19,8 @@ machine's drift falls on both alike; each side's median over the repeats is repo
   `samples_per_s` (epoch 1 pays for cuDNN autotuning and, compiled, for `compile_s`). The set is
   exactly `steps` batches (`data.num_train = batch * steps`, `data.val_fraction=0`) and one
   evaluation batch (`data.num_test = data.eval_batch_size = batch`), so nothing but the timed
-  steps is larger than it needs to be.
+  steps is larger than it needs to be. Its steps are `accelexp.step.train_step`, the one the loop,
+  the largest-batch search and the other benchmarks share.
 - plain (`--plain-worker`, this file re-invoked): a hand-written loop. The uint8 set already sits
   on the device; each step gathers a batch by index from a per-epoch permutation, normalises it on
   the device, and runs forward/backward/step under autocast (a GradScaler for fp16 amp on CUDA;
@@ -76,6 +77,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import resource
@@ -188,18 +190,29 @@ class Measurement:
     versions: dict[str, str] | None = None  # the plain worker's torch, CUDA and device name
 
 
-# --- sizing: guesses for an H200, replaced by measured process times as runs finish ------------
+# --- sizing: guesses, replaced by measured process times as runs finish ------------------------
 
 START_S = {"accelexp": 9.0, "plain": 4.0}  # interpreter, imports, CUDA context, cuDNN autotune
 DATA_S_PER_GB = 10.0  # accelexp generates its synthetic uint8 set on the host
 COMPILE_S = {"default": 50.0, "reduce-overhead": 45.0, "max-autotune": 300.0}  # cold cache
 WARM_CACHE_SHARE = 0.35  # accelexp, after the plain side compiled the same graphs
-STEP_S = {  # one training step, channels_last, on an H200 (eager NCHW: x EAGER_FACTOR at amp/bf16)
-    "224": {"fp32": 0.20, "amp": 0.085, "bf16": 0.085},
-    "32": {"fp32": 0.030, "amp": 0.012, "bf16": 0.012},
-}
+# A step's seconds are derived from its FLOPs (`accelexp.diagnosis.flops`, the runs' own counter)
+# at the rate the GPU sustains: large data-centre GPUs (the plans were sized on an H200) keep
+# about this many TFLOP/s of ResNet-50 training at both shapes, channels_last; eager NCHW runs
+# amp/bf16 EAGER_FACTOR times slower.
+SUSTAINED_TFLOPS = {"fp32": 31.0, "amp": 75.0, "bf16": 75.0}
 EAGER_FACTOR = 1.3
 CPU_TINY_S = {"accelexp": 9.0, "plain": 3.0}
+
+
+@functools.cache
+def step_flops(shape: Shape) -> float:
+    """FLOPs of one training step of `shape` (batch x the counted FLOPs of a sample)."""
+    from accelexp.diagnosis.flops import train_flops_per_sample
+
+    model = build_plain_model(shape.model, shape.image_size)
+    sample = (3, shape.image_size, shape.image_size)
+    return shape.batch_size * (train_flops_per_sample(model, sample) or 0.0)
 
 
 def estimate_s(job: Job, side: str, epochs: int, cpu: bool) -> float:
@@ -207,7 +220,7 @@ def estimate_s(job: Job, side: str, epochs: int, cpu: bool) -> float:
     if cpu:
         return CPU_TINY_S[side] + (30.0 if job.compile_mode else 0.0)
     shape = job.shape
-    step = STEP_S.get(shape.key, STEP_S["32"])[job.precision]
+    step = step_flops(shape) / (SUSTAINED_TFLOPS[job.precision] * 1e12)
     if job.variant == "eager" and job.precision != "fp32":
         step *= EAGER_FACTOR
     seconds = START_S[side] + epochs * shape.steps * step
@@ -735,7 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"planned: {len(jobs)} configurations, {2 * len(order)} subprocess runs ({len(order)} "
         f"plain, {len(order)} accelexp), about {planned / 60:.1f} min by the "
-        f"{'CPU' if args.cpu else 'H200'} estimate"
+        f"{'CPU' if args.cpu else 'GPU'} estimate"
         + (f"; deadline {args.deadline_s:.0f} s" if args.deadline_s else ""),
         flush=True,
     )

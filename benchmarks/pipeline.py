@@ -1,10 +1,11 @@
 """Pipeline efficiency: the model split into stages, fed 1, 2, 4, 8 micro-batches, vs unsplit.
 
-Every side trains the same model (same initial weights, batch, threads) for the same steps in this
-one process: the unsplit model on the first device, then the model cut into `--stages` stages
-(accelexp's `Pipeline`, as `parallelism=model` builds it) with each `--chunks` value. The sides
-alternate (U C1 C2 C4 C8 U C1 ...) so the machine's noise falls on all alike; each side's median
-over the repeats is printed, in wall and process CPU time, with samples/s relative to unsplit.
+Every side trains the same model (same initial weights, batch, threads) for the same steps, each
+accelexp's training step (`accelexp.step.train_step`, fp32), in this one process: the unsplit
+model on the first device, then the model cut into `--stages` stages (accelexp's `Pipeline`, as
+`parallelism=model` builds it) with each `--chunks` value. The sides alternate (U C1 C2 C4 C8 U
+C1 ...) so the machine's noise falls on all alike; each side's median over the repeats is
+printed, in wall and process CPU time, with samples/s relative to unsplit.
 
 First it prints how resnet50's parameters divide over 2 and 4 stages (balanced by parameters).
 
@@ -21,13 +22,15 @@ import statistics
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from omegaconf import OmegaConf
 from timing import timed
 
 from accelexp.models import build_model
+from accelexp.parallel.base import Strategy
 from accelexp.parallel.model import parse_devices
 from accelexp.parallel.pipeline import Pipeline, split_layers
+from accelexp.precision import Precision
+from accelexp.step import train_step
 
 
 def model_of(name: str, image_size: int) -> nn.Module:
@@ -84,12 +87,13 @@ def main() -> None:
         sides[f"chunks={chunks}"] = Pipeline(model, parts, devices, chunks)
         splits[f"chunks={chunks}"] = str(points)
 
+    strategy = Strategy(OmegaConf.create({}), device="cpu")  # one replica: no sync, no wrapping
+    precision = Precision("fp32", devices[0])
+
     def train(model: nn.Module) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         for _ in range(args.steps):
-            F.cross_entropy(model(images), labels).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+            train_step(model, images, labels, optimizer, precision, strategy)
         for device in set(devices):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

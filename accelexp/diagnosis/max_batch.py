@@ -2,12 +2,13 @@
 
 With `max_batch.search=true` (the memory-vs-speed study turns it on), a run that trained on a
 CUDA GPU goes on, after its test evaluation, to double the per-worker batch from
-`data.batch_size` — each trial one real training step (forward and loss under the run's
-autocast, backward with its loss scaling, the strategy's optimizer step) on random inputs of the
-sample's shape — until a trial runs out of memory or the batch would pass `max_batch.limit`.
-Every rank takes part in every trial, and the ranks agree each trial's outcome through the
-strategy's `reduce_max` (one rank out of memory ends the search for all), so no rank waits in a
-collective for a rank that stopped. The allocator's cache is emptied between trials.
+`data.batch_size` — each trial one real training step (`accelexp.step.train_step`, the loop's:
+forward and loss under the run's autocast, backward with its loss scaling, the strategy's
+optimizer step) on random inputs of the sample's shape — until a trial runs out of memory or the
+batch would pass `max_batch.limit`. Every rank takes part in every trial, and the ranks agree each
+trial's outcome through the strategy's `reduce_max` (one rank out of memory ends the search for
+all), so no rank waits in a collective for a rank that stopped. The allocator's cache is emptied
+between trials.
 
 It records the metric `max_batch` (the largest batch that fit, per worker) and the tag
 `max_batch` saying how it was found. On a CPU there is no search — no out-of-memory signal, the
@@ -34,13 +35,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from accelexp.diagnosis.run import is_out_of_memory
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
 from accelexp.record import MAX_BATCH, STEP_PEAK_MB, step_peak_kind_mb
+from accelexp.step import train_step
 from accelexp.tracking import Tracker
 
 log = logging.getLogger(__name__)
@@ -138,12 +139,7 @@ class _Trial:
         images = torch.randn(batch, *self.sample_shape, device=device)
         images = images.contiguous(memory_format=self.memory_format)
         labels = torch.randint(self.num_classes, (batch,), device=device)
-        with strategy.backward_context(self.model, sync=True):
-            with precision.autocast():
-                logits = self.model(images)
-                loss = F.cross_entropy(logits, labels.to(logits.device))
-            precision.backward(loss)
-        strategy.optimizer_step(self.optimizer, precision)
+        train_step(self.model, images, labels, self.optimizer, precision, strategy)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # an asynchronous failure surfaces inside the trial
 

@@ -50,6 +50,8 @@ METRIC_DIGITS = 5
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
 SWEEP_REPORT = "report/report.html"  # the sweep report's artifact on the sweep's parent run
 LOCKED_RETRY_S = 120.0  # how long a write waits out a SQLite store locked by other writers
+# MLflow's run statuses a run is closed with (which one: `accelexp.outcome.status_of`)
+FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
 
 
 class TrackingUnavailableError(AccelexpError):
@@ -349,7 +351,7 @@ class Tracker:
                 f"then continue the run with resume=auto."
             ) from error
 
-    def end(self, status: str = "FINISHED") -> None:
+    def end(self, status: str = FINISHED) -> None:
         """Close the run as FINISHED, FAILED or KILLED; what was logged before stays. A store
         that fails here is said in a line: the error that ended the run stays the one raised."""
         if not self.enabled or self.run_id is None:
@@ -477,7 +479,7 @@ def record_failure(
             name = run_name(cfg, overrides=overrides, parallelism=parallelism)
             tracker.start(name, {}, tags or {})
         tracker._client.log_text(tracker.run_id, error, "error.txt")
-        tracker._client.set_terminated(tracker.run_id, status="FAILED")
+        tracker._client.set_terminated(tracker.run_id, status=FAILED)
     except Exception as failure:  # the store took the run's data but takes no more
         log.warning("Could not record the failure in MLflow: %s", failure)
         return None
@@ -495,7 +497,7 @@ def close_run(mlflow_cfg: DictConfig, output_dir: str | Path, status: str) -> No
     try:
         tracker.connect()
         run_id = id_file.read_text().strip()
-        if tracker._client.get_run(run_id).info.status != "FINISHED":
+        if tracker._client.get_run(run_id).info.status != FINISHED:
             tracker._client.set_terminated(run_id, status=status)
     except Exception as error:  # the store is gone: nothing more can be kept
         log.warning("Could not mark run %s as %s: %s", id_file.read_text().strip(), status, error)
@@ -533,8 +535,8 @@ def end_sweep(
     children = client.search_runs(
         [experiment_id], filter_string=f"tags.{record.PARENT_RUN} = '{run_id}'", max_results=10000
     )
-    failed = sum(child.info.status == "FAILED" for child in children)
-    client.set_terminated(run_id, status=status or ("FAILED" if failed else "FINISHED"))
+    failed = sum(child.info.status == FAILED for child in children)
+    client.set_terminated(run_id, status=status or (FAILED if failed else FINISHED))
     for name in (PARENT_RUN_ENV, SWEEP_NAME_ENV, SWEPT_KEYS_ENV):
         os.environ.pop(name, None)
     link = where_to_look(mlflow_cfg.tracking_uri, experiment_id, run_id, artifact, command=False)
