@@ -1,7 +1,7 @@
 """One run, start to end: build every component from the config, train, test, track.
 
-    strategy -> tracker check -> data -> model -> speed switches -> loaders -> wrapped model
-    -> optimizer -> precision -> scheduler
+    strategy and precision -> tracker check -> data -> model -> speed switches -> loaders
+    -> wrapped model -> optimizer -> scheduler
     -> resume from a checkpoint (accelexp.checkpoint), if asked or restarted
     -> epochs (train, validate, metrics, best and last checkpoints) -> best weights on the test set
 
@@ -42,7 +42,7 @@ from accelexp.engine import (
 )
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
-from accelexp.parallel import build_strategy, run_label
+from accelexp.parallel import connect, run_label
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
 from accelexp.speed import SpeedSwitches, has_conv2d
@@ -140,10 +140,9 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = ()) 
     output_dir = Path(output_dir)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    strategy = build_strategy(cfg)
-    strategy.setup()
+    strategy, precision = connect(cfg)
     try:
-        return _run(cfg, output_dir, overrides, strategy)
+        return _run(cfg, output_dir, overrides, strategy, precision)
     except BaseException as error:
         # when it failed, before the teardown below makes the other ranks fail in turn: the
         # launcher names the earliest failure as the cause (accelexp.worker, launch)
@@ -154,7 +153,11 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = ()) 
 
 
 def _run(
-    cfg: DictConfig, output_dir: Path, overrides: Sequence[str], strategy: Strategy
+    cfg: DictConfig,
+    output_dir: Path,
+    overrides: Sequence[str],
+    strategy: Strategy,
+    precision: Precision,
 ) -> dict[str, float]:
     tracker = Tracker(cfg.mlflow, enabled=strategy.is_main)
     tracker.connect()  # fail now, not after training, when the store is unreachable
@@ -175,9 +178,9 @@ def _run(
     flops_per_sample = flops.train_flops_per_sample(model, sample_shape)  # before placement
     model = strategy.wrap_model(
         model,
+        precision,
         # a batch's shape, for strategies that time the model (parallelism.balance=compute)
         input_shape=(cfg.data.batch_size, data.in_channels, data.image_size, data.image_size),
-        precision=cfg.precision.name,
         compile_mode=switches.compile_mode,
     )
     optimizer = strategy.wrap_optimizer(
@@ -189,7 +192,6 @@ def _run(
         ),
         model,
     )
-    precision = Precision.from_config(cfg.precision, strategy.device)
     steps = optimizer_steps_per_epoch(
         len(train_loader), cfg.max_steps_per_epoch, strategy.accumulate_steps
     )
@@ -208,8 +210,6 @@ def _run(
     profiler = StepProfiler(cfg, output_dir, strategy.rank, strategy.device)
     trainer.profiler = profiler if profiler.enabled else None
     in_effect = {f"speed.{key}": value for key, value in switches.tags().items() if key != "speed"}
-    if precision.dtype is torch.bfloat16:  # precision=amp on a CPU is bf16 autocast
-        in_effect["precision"] = "bf16"
     diagnosis = RunDiagnosis(
         strategy, precision, cfg, flops_per_sample, in_effect, has_conv2d(model)
     )
@@ -221,7 +221,7 @@ def _run(
             load_model=partial(strategy.load_model_state_dict, model),
             load_optimizer=partial(strategy.load_optimizer_state_dict, model, optimizer),
             scheduler=scheduler,
-            scaler=precision.scaler,
+            load_scaler=precision.load_state_dict,
             generator=generator,
             rank=strategy.rank,
         )

@@ -186,7 +186,7 @@ def check_grad_scaler_overflow(device: torch.device) -> str:
         precision.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1000)
         note = " (CPU: this check set a GradScaler('cpu') on Precision; runs use none there)"
     elif strategy.device.type == "cuda":
-        assert precision.dtype is torch.float16, precision.dtype
+        assert precision.compute_dtype is torch.float16, precision.compute_dtype
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 10)).to(strategy.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     images = torch.randint(0, 256, (64, 3, 8, 8), dtype=torch.uint8)

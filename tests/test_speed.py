@@ -29,7 +29,7 @@ from accelexp.engine import eager_warmup_steps
 from accelexp.launch import launch
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer
-from accelexp.parallel import build_strategy
+from accelexp.parallel import connect
 from accelexp.speed import SpeedConfigError, SpeedSwitches, set_tf32, tf32_enabled
 from accelexp.train import run
 
@@ -163,12 +163,11 @@ def test_a_compiled_run_reports_its_compile_time_apart_from_its_throughput(compo
 
 def test_model_parallel_compiles_each_stage_and_keeps_the_outputs(compose_cfg):
     cfg = compose_cfg("parallelism=model", "parallelism.stages=2", "model.dropout=0")
-    strategy = build_strategy(cfg)
-    strategy.setup()
+    strategy, precision = connect(cfg)
     torch.manual_seed(0)
     model = build_model(cfg.model, 3, 10, 16)
     expected = model.eval()(torch.ones(4, 3, 16, 16))
-    wrapped = strategy.wrap_model(model, compile_mode="default").eval()
+    wrapped = strategy.wrap_model(model, precision, compile_mode="default").eval()
     assert all(stage._compiled_call_impl is not None for stage in strategy.pipeline.stages)
     assert wrapped._compiled_call_impl is None  # the clock loop between stages stays eager
     torch.testing.assert_close(wrapped(torch.ones(4, 3, 16, 16)), expected)

@@ -44,10 +44,12 @@ class RunDiagnosis:
         convolutional: bool = True,
     ) -> None:
         """`cfg`: the run's config, `in_effect`: the settings it really ran with where they
-        differ from it (`speed.channels_last` chosen by `auto`), `convolutional`: whether the
-        model has 2-D convolutions; the advice is drawn for them."""
+        differ from it (`speed.channels_last` chosen by `auto`; the precision it computes in,
+        bf16 for amp on a CPU, is the precision's own), `convolutional`: whether the model has
+        2-D convolutions; the advice is drawn for them."""
         self.strategy, self.precision = strategy, precision
-        self.cfg, self.in_effect, self.convolutional = cfg, dict(in_effect or {}), convolutional
+        self.in_effect = {**(in_effect or {}), "precision": precision.effective_name}
+        self.cfg, self.convolutional = cfg, convolutional
         self.batch_size, self.flops_per_sample = cfg.data.batch_size, flops_per_sample
         self.last: Breakdown | None = None
         self.samples_per_s_per_device = 0.0

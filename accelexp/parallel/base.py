@@ -184,11 +184,11 @@ class Sync:
         self,
         model: nn.Module,
         device: torch.device,
-        precision: str,
+        precision: Precision,
         compile_mode: str | None = None,
     ) -> nn.Module:
-        """The placed model, wrapped so replicas agree (`precision`: fp32, amp or bf16;
-        `compile_mode`: for a sync that `compiles_units`)."""
+        """The placed model, wrapped so replicas agree (`precision`: the run's, e.g. the dtypes
+        FSDP gathers and reduces in; `compile_mode`: for a sync that `compiles_units`)."""
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -362,8 +362,8 @@ class Strategy:
     def wrap_model(
         self,
         model: nn.Module,
+        precision: Precision,
         input_shape: Sequence[int] | None = None,
-        precision: str = "fp32",
         compile_mode: str | None = None,
     ) -> nn.Module:
         """The model placed, wrapped and, with a `compile_mode`, compiled (`torch.compile`)."""
