@@ -255,7 +255,7 @@ def linear_trainer(batches: int, warmup_steps: int = 0):
 
     from accelexp.data import BatchLoader, ImageSet
     from accelexp.engine import Trainer
-    from accelexp.parallel.single import SingleDevice
+    from accelexp.parallel.base import Strategy
     from accelexp.precision import Precision
 
     torch.manual_seed(0)
@@ -265,7 +265,7 @@ def linear_trainer(batches: int, warmup_steps: int = 0):
                          CPU, [0.5] * 3, [0.25] * 3)  # fmt: skip
     model = nn.Sequential(nn.Flatten(), nn.Linear(192, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    strategy = SingleDevice(OmegaConf.create({"accumulate_steps": 1}))
+    strategy = Strategy(OmegaConf.create({"accumulate_steps": 1}))  # one device, alone
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     precision = Precision("fp32", CPU)
     trainer = Trainer(model, optimizer, scheduler, precision, strategy, progress=False,

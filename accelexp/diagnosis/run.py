@@ -85,7 +85,7 @@ class RunDiagnosis:
 
     def finish(self, tracker: Tracker, run_name: str) -> Verdict | None:
         """On the main rank: the verdict, printed and recorded. None before any epoch."""
-        if not self.strategy.is_main or self.last is None:
+        if not self.strategy.shape.is_main or self.last is None:
             return None
         device = self.strategy.device
         noise = self.noise_verdict()
@@ -101,7 +101,7 @@ class RunDiagnosis:
                 flop_utilisation=utilisation,
                 peak_mem_mb=self.peak_mem_mb,
                 device_mem_mb=device_memory_mb(device),
-                comm_advice=self.strategy.comm_advice(),
+                comm_advice=self.strategy.sync.comm_advice(),
                 hta=self.hta,
                 config=self.cfg,
                 in_effect=self.in_effect,
@@ -118,7 +118,7 @@ class RunDiagnosis:
 
     def say_noise(self) -> None:
         """The run's last console line, on the main rank: was the machine quiet while timed."""
-        if self.strategy.is_main and self.noise:
+        if self.strategy.shape.is_main and self.noise:
             noise = self.noise_verdict()
             log.log(logging.WARNING if noise.contended else logging.INFO, "%s", noise.console())
 
