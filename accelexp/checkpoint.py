@@ -138,7 +138,7 @@ def restore(
     load_model: Callable[[dict], None],
     load_optimizer: Callable[[dict], None],
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    scaler: torch.amp.GradScaler | None,
+    load_scaler: Callable[[dict], None],
     generator: torch.Generator,
     rank: int,
 ) -> Progress:
@@ -151,8 +151,7 @@ def restore(
     load_model(state["model"])  # the strategy's: FSDP reshards the whole state
     load_optimizer(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
-    if scaler is not None and state["scaler"]:
-        scaler.load_state_dict(state["scaler"])
+    load_scaler(state["scaler"])  # the precision's: its GradScaler's state, if it has one
     set_rng_state(state["rng"][rank], generator)
     return Progress(**state["progress"])
 

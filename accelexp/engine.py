@@ -165,7 +165,7 @@ class Trainer:
         self.device = strategy.device
         self.max_steps = max_steps_per_epoch
         self.log_every = log_every
-        self.progress = progress and strategy.is_main
+        self.progress = progress and strategy.shape.is_main
         self.bar = self.progress and sys.stderr.isatty()  # piped: plain lines instead
         self.compile_steps = warmup_steps  # compiled: the first epoch's steps that compile
         self.warmed_up = False  # the first epoch trained leaves out its warm-up steps
@@ -181,7 +181,7 @@ class Trainer:
         stacked = torch.stack(
             [torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values]
         )
-        return self.strategy.reduce_sum(stacked).tolist()
+        return self.strategy.sync.reduce_sum(stacked).tolist()
 
     def train_epoch(self, loader: BatchLoader, epoch: int) -> EpochResult:
         self.model.train()
@@ -227,13 +227,14 @@ class Trainer:
                 synchronize(self.device)
                 now = time.perf_counter()
                 warmup_seconds, start, timed_from = now - start, now, seen
-                self.strategy.take_comm_time()  # the warm-up steps' communication is not timed
+                self.strategy.sync.take_comm_time()  # the warm-up steps' communication is not timed
             elif self.progress and figures_due(step + 1, self.log_every):
                 now = time.perf_counter()
+                all_ranks = (seen - timed_from) * self.strategy.shape.replicas
                 figures = {
                     "loss": f"{loss_sum.item() / seen:.4f}",
                     "acc": f"{correct.item() / seen:.4f}",
-                    "img_s": f"{(seen - timed_from) * self.strategy.replicas / (now - start):.0f}",
+                    "img_s": f"{all_ranks / (now - start):.0f}",
                 }
                 if self.bar:
                     bar.set_postfix(figures, refresh=False)
@@ -249,7 +250,7 @@ class Trainer:
                 probe.start()
         synchronize(self.device)
         seconds = time.perf_counter() - start
-        breakdown = clock.stop(self.strategy.take_comm_time())
+        breakdown = clock.stop(self.strategy.sync.take_comm_time())
         step_seconds = clock.step_seconds()
         noise = self._worst_over_ranks(probe.stop(step_seconds))
         bar.close()
@@ -257,7 +258,7 @@ class Trainer:
             loss_sum, correct, seen, seen - timed_from
         )
         # the slowest rank sets the pace of a synchronous step
-        seconds, warmup_seconds = self.strategy.reduce_max(
+        seconds, warmup_seconds = self.strategy.sync.reduce_max(
             torch.tensor([seconds, warmup_seconds], device=self.device)
         ).tolist()
         return EpochResult(
@@ -279,11 +280,13 @@ class Trainer:
         return eager_warmup_steps(steps)
 
     def _worst_over_ranks(self, sample: NoiseSample) -> NoiseSample:
-        return NoiseSample.worst_of(self.strategy.reduce_max(sample.to_tensor(self.device)), sample)
+        return NoiseSample.worst_of(
+            self.strategy.sync.reduce_max(sample.to_tensor(self.device)), sample
+        )
 
     def _mean_over_ranks(self, breakdown: Breakdown) -> Breakdown:
-        total = self.strategy.reduce_sum(breakdown.to_tensor(self.device))
-        return Breakdown.from_tensor(total / self.strategy.world_size)
+        total = self.strategy.sync.reduce_sum(breakdown.to_tensor(self.device))
+        return Breakdown.from_tensor(total / self.strategy.shape.world_size)
 
     @torch.no_grad()
     def evaluate(self, loader: BatchLoader, name: str = "eval") -> tuple[float, float]:

@@ -1,7 +1,7 @@
 """One run, start to end: build every component from the config, train, test, track.
 
-    strategy -> tracker check -> data -> model -> speed switches -> loaders -> wrapped model
-    -> optimizer -> precision -> scheduler
+    strategy and precision -> tracker check -> data -> model -> speed switches -> loaders
+    -> wrapped model -> optimizer -> scheduler
     -> resume from a checkpoint (accelexp.checkpoint), if asked or restarted
     -> epochs (train, validate, metrics, best and last checkpoints) -> best weights on the test set
 
@@ -40,7 +40,7 @@ from accelexp.engine import (
 )
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
-from accelexp.parallel import build_strategy, run_label
+from accelexp.parallel import connect, run_label
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
 from accelexp.speed import SpeedSwitches, has_conv2d
@@ -82,7 +82,7 @@ def make_loaders(
         strategy.train_sampler(len(data.train), cfg.seed),
         augment=cfg.data.augment,
         drop_last=True,
-        seed=cfg.seed + strategy.rank,
+        seed=cfg.seed + strategy.shape.rank,
         max_batches=cfg.max_steps_per_epoch,
         **common,
     )
@@ -138,10 +138,9 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = ()) 
     output_dir = Path(output_dir)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    strategy = build_strategy(cfg)
-    strategy.setup()
+    strategy, precision = connect(cfg)
     try:
-        return _run(cfg, output_dir, overrides, strategy)
+        return _run(cfg, output_dir, overrides, strategy, precision)
     except BaseException as error:
         # when it failed, before the teardown below makes the other ranks fail in turn: the
         # launcher names the earliest failure as the cause (accelexp.worker, launch)
@@ -152,9 +151,13 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = ()) 
 
 
 def _run(
-    cfg: DictConfig, output_dir: Path, overrides: Sequence[str], strategy: Strategy
+    cfg: DictConfig,
+    output_dir: Path,
+    overrides: Sequence[str],
+    strategy: Strategy,
+    precision: Precision,
 ) -> dict[str, float]:
-    tracker = Tracker(cfg.mlflow, enabled=strategy.is_main)
+    tracker = Tracker(cfg.mlflow, enabled=strategy.shape.is_main)
     tracker.connect()  # fail now, not after training, when the store is unreachable
     resolved = OmegaConf.to_container(cfg, resolve=True)
     state, resume_from = _state_to_resume(cfg, output_dir, tracker, strategy, resolved)
@@ -167,15 +170,15 @@ def _run(
         cfg, data, strategy, switches.memory_format
     )
     placement, generator = train_loader.placement, train_loader.generator
-    train_loader = DebugLoader.wrap(train_loader, cfg.debug, strategy.rank)
+    train_loader = DebugLoader.wrap(train_loader, cfg.debug, strategy.shape.rank)
     model = switches.prepare(model)
     sample_shape = (data.in_channels, data.image_size, data.image_size)
     flops_per_sample = flops.train_flops_per_sample(model, sample_shape)  # before placement
     model = strategy.wrap_model(
         model,
+        precision,
         # a batch's shape, for strategies that time the model (parallelism.balance=compute)
         input_shape=(cfg.data.batch_size, data.in_channels, data.image_size, data.image_size),
-        precision=cfg.precision.name,
         compile_mode=switches.compile_mode,
     )
     optimizer = strategy.wrap_optimizer(
@@ -187,7 +190,6 @@ def _run(
         ),
         model,
     )
-    precision = Precision.from_config(cfg.precision, strategy.device)
     steps = optimizer_steps_per_epoch(
         len(train_loader), cfg.max_steps_per_epoch, strategy.accumulate_steps
     )
@@ -203,13 +205,11 @@ def _run(
         cfg.progress,
         warmup_steps=switches.warmup_steps,
     )
-    profiler = StepProfiler(cfg, output_dir, strategy.rank, strategy.device)
+    profiler = StepProfiler(cfg, output_dir, strategy.shape.rank, strategy.device)
     trainer.profiler = profiler if profiler.enabled else None
     in_effect = {
         f"speed.{key}": value for key, value in switches.tags().items() if key != record.SPEED
     }
-    if precision.dtype is torch.bfloat16:  # precision=amp on a CPU is bf16 autocast
-        in_effect["precision"] = "bf16"
     diagnosis = RunDiagnosis(
         strategy, precision, cfg, flops_per_sample, in_effect, has_conv2d(model)
     )
@@ -221,13 +221,13 @@ def _run(
             load_model=partial(strategy.load_model_state_dict, model),
             load_optimizer=partial(strategy.load_optimizer_state_dict, model, optimizer),
             scheduler=scheduler,
-            scaler=precision.scaler,
+            load_scaler=precision.load_state_dict,
             generator=generator,
-            rank=strategy.rank,
+            rank=strategy.shape.rank,
         )
         log.info("Resuming after epoch %d of %d from %s", progress.epoch, cfg.epochs, resume_from)
         tracker.resume(state["run_id"], progress.epoch, output_dir)
-    elif strategy.is_main and checkpoint.restarted() and (output_dir / RUN_ID_FILE).is_file():
+    elif strategy.shape.is_main and checkpoint.restarted() and (output_dir / RUN_ID_FILE).is_file():
         # restarted before its first checkpoint: the same run starts over
         tracker.resume((output_dir / RUN_ID_FILE).read_text().strip(), 0, output_dir)
     else:
@@ -240,7 +240,7 @@ def _run(
             record.DATA_PLACEMENT: placement,
         }
         tags = {
-            **run_tags(cfg, strategy.world_size, overrides),
+            **run_tags(cfg, strategy.shape.world_size, overrides),
             **strategy.tags(),
             **switches.tags(),
             record.DATA_PLACEMENT: placement,
@@ -255,7 +255,7 @@ def _run(
     if tracker.run_id:  # a failure later on is recorded on this run (tracking.record_failure)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / RUN_ID_FILE).write_text(tracker.run_id)
-    if strategy.is_main:
+    if strategy.shape.is_main:
         world = strategy.shape
         log.info(
             "Training %s on %s: %d process(es), %d replica(s) x %d device(s) each; output in %s",
@@ -292,7 +292,7 @@ def _state_to_resume(
     """The training state to continue from (`resume`, or a restarted job's own), and its file.
     The main rank finds and reads it; the other ranks get it by broadcast, not from its disk."""
     resume_from = state = None
-    if strategy.is_main:
+    if strategy.shape.is_main:
         resume_from = checkpoint.find_resume(
             cfg.resume,
             output_dir,
@@ -303,7 +303,7 @@ def _state_to_resume(
         state = checkpoint.load(resume_from)
         checkpoint.check_same_training(state["config"], resolved, resume_from)
         checkpoint.adopt_best(resume_from, output_dir / "checkpoints")
-    return strategy.broadcast_object(state), resume_from
+    return strategy.sync.broadcast_object(state), resume_from
 
 
 class Fit:
@@ -366,7 +366,7 @@ class Fit:
         run_start = time.perf_counter() - progress.elapsed_s
         trained: list[EpochResult] = []  # the epochs this process trained
         for epoch in range(progress.epoch + 1, cfg.epochs + 1):
-            strategy.reset_memory_stats()
+            strategy.placement.reset_memory_stats()
             lr = trainer.optimizer.param_groups[0]["lr"]
             with self.profiler.epoch(epoch):
                 train = trainer.train_epoch(train_loader, epoch)
@@ -375,7 +375,7 @@ class Fit:
             val_loss, val_acc = trainer.evaluate(val_loader, "val")
             elapsed = time.perf_counter() - run_start
             memory = strategy.memory_metrics()
-            per_device = train.samples_per_s / strategy.num_devices
+            per_device = train.samples_per_s / strategy.shape.world_size
             metrics = {
                 record.TRAIN_LOSS: train.loss,
                 record.TRAIN_ACC: train.accuracy,
@@ -404,7 +404,7 @@ class Fit:
             if progress.time_to_target_s is None and target and val_acc >= target:
                 progress.time_to_target_s = elapsed
             self.save_last(progress)
-            if strategy.is_main:  # said once the epoch is logged and saved
+            if strategy.shape.is_main:  # said once the epoch is logged and saved
                 log.info(
                     "epoch %d/%d  train_loss %.4f  train_acc %.4f  val_loss %.4f  val_acc %.4f  "
                     "%.0f samples/s  %.1fs",
@@ -416,7 +416,7 @@ class Fit:
     def save_best(self, epoch: int, val_acc: float) -> None:
         """The whole model's weights; every rank takes part (FSDP gathers its shards)."""
         weights = self.strategy.model_state_dict(self.trainer.model)
-        if not self.strategy.is_main:
+        if not self.strategy.shape.is_main:
             return
         payload = {"model": weights, "epoch": epoch, "val_acc": val_acc}
         checkpoint.save(self.checkpoints / checkpoint.BEST, {**payload, "config": self.resolved})
@@ -424,10 +424,10 @@ class Fit:
     def save_last(self, progress: checkpoint.Progress) -> None:
         """The whole training state; every rank takes part (its RNG states are gathered)."""
         strategy, trainer = self.strategy, self.trainer
-        rng = strategy.gather_object(checkpoint.rng_state(self.generator))
+        rng = strategy.sync.gather_object(checkpoint.rng_state(self.generator))
         model = strategy.model_state_dict(trainer.model)
         optimizer = strategy.optimizer_state_dict(trainer.model, trainer.optimizer)
-        if not strategy.is_main:
+        if not strategy.shape.is_main:
             return
         state = checkpoint.training_state(
             model=model,
@@ -454,8 +454,8 @@ class Fit:
         settling), or over its only epoch."""
         strategy, trainer, cfg = self.strategy, self.trainer, self.cfg
         best = self.checkpoints / checkpoint.BEST
-        weights = checkpoint.load(best)["model"] if strategy.is_main else None
-        strategy.load_model_state_dict(trainer.model, strategy.broadcast_object(weights))
+        weights = checkpoint.load(best)["model"] if strategy.shape.is_main else None
+        strategy.load_model_state_dict(trainer.model, strategy.sync.broadcast_object(weights))
         test_loss, test_acc = trainer.evaluate(test_loader, "test")
         final = {
             record.BEST_VAL_ACC: progress.best_val_acc,
@@ -473,7 +473,7 @@ class Fit:
                 record.THROUGHPUT_STEPS: steady.n,
             }
         self.tracker.log_metrics(final, step=cfg.epochs)
-        if strategy.is_main:
+        if strategy.shape.is_main:
             log.info(
                 "best val_acc %.4f  test_acc (best checkpoint) %.4f",
                 progress.best_val_acc,
@@ -506,7 +506,7 @@ def device_label(strategy: Strategy) -> str:
     `NVIDIA H200`, or `NVIDIA H200 x2` for a process driving two devices (dp, model)."""
     device = strategy.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-    per_process = strategy.num_devices // strategy.replicas
+    per_process = strategy.shape.world_size // strategy.shape.replicas
     return f"{name} x{per_process}" if per_process > 1 else name
 
 

@@ -27,7 +27,7 @@ why) or FAIL:
 8. data held on the device and data copied per batch (on CUDA: pinned staging and a side-stream
    copy, placement `prefetch`) give exactly the same batches, augmentation included, over 2
    epochs of a reshuffling DistributedSampler; with --cpu the copied path is the plain host one;
-9. a GradScaler overflow through the real `Precision`, `SingleDevice` and `Trainer`: an inf
+9. a GradScaler overflow through the real `Precision`, `Strategy` and `Trainer`: an inf
    injected into one gradient skips that step (parameters unchanged) and halves the scale, and
    the next step updates the parameters. With --cpu, where `precision=amp` is bf16 without a
    scaler, the check sets a `torch.amp.GradScaler("cpu")` on the `Precision` itself;
@@ -69,8 +69,8 @@ sys.path.insert(0, str(REPO))
 from accelexp.data import BatchLoader, ImageSet  # noqa: E402
 from accelexp.engine import Trainer  # noqa: E402
 from accelexp.models import build_model  # noqa: E402
+from accelexp.parallel.base import Strategy  # noqa: E402
 from accelexp.parallel.pipeline import Pipeline, split_layers  # noqa: E402
-from accelexp.parallel.single import SingleDevice  # noqa: E402
 from accelexp.precision import Precision  # noqa: E402
 from accelexp.speed import set_tf32  # noqa: E402
 
@@ -178,7 +178,7 @@ def check_grad_scaler_overflow(device: torch.device) -> str:
     from torch.optim.lr_scheduler import LambdaLR
 
     torch.manual_seed(0)
-    strategy = SingleDevice(OmegaConf.create({"accumulate_steps": 1}), device=device.type)
+    strategy = Strategy(OmegaConf.create({"accumulate_steps": 1}), device=device.type)
     strategy.setup()
     init_scale, note = 2.0**10, ""
     precision = Precision("amp", strategy.device, init_scale=init_scale, growth_interval=1000)
@@ -186,7 +186,7 @@ def check_grad_scaler_overflow(device: torch.device) -> str:
         precision.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1000)
         note = " (CPU: this check set a GradScaler('cpu') on Precision; runs use none there)"
     elif strategy.device.type == "cuda":
-        assert precision.dtype is torch.float16, precision.dtype
+        assert precision.compute_dtype is torch.float16, precision.compute_dtype
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 10)).to(strategy.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     images = torch.randint(0, 256, (64, 3, 8, 8), dtype=torch.uint8)

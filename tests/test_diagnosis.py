@@ -199,7 +199,7 @@ def test_the_advice_is_the_runs_own(compose_cfg):
     # on a CPU, amp is bf16 autocast: a run with either is offered neither
     on_cpu = facts("cpu", forward=1, backward=2)
     on_cpu.config = compose_cfg("precision=amp")
-    on_cpu.in_effect = {"precision": "bf16"}  # what train.py says of amp on a CPU
+    on_cpu.in_effect = {"precision": "bf16"}  # amp on a CPU: Precision.effective_name
     assert overrides_of(diagnose(on_cpu)) == ["parallelism=ddp parallelism.nprocs=2"]
 
     # fsdp refuses CUDA graphs: the overhead verdict offers the bigger batch and fused kernels

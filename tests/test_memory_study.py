@@ -20,8 +20,7 @@ from omegaconf import OmegaConf
 from accelexp.config import register_configs
 from accelexp.config.validate import validate
 from accelexp.diagnosis.max_batch import after_training, not_searched_on, search
-from accelexp.parallel import build_strategy
-from accelexp.precision import Precision
+from accelexp.parallel import connect
 from accelexp.report.cli import main as report_main
 from accelexp.report.memory import (
     MEMORY_PLOT,
@@ -162,11 +161,9 @@ def test_the_plot_has_a_panel_per_model_and_a_style_per_parallelism() -> None:
 def test_no_search_is_asked_by_default_and_a_cpu_never_searches(tracking_uri: str) -> None:
     cfg = compose_config(tracking_uri)
     assert cfg.max_batch.search is False
-    strategy = build_strategy(compose_config(tracking_uri, "device=cpu"))
-    strategy.setup()
+    strategy, precision = connect(compose_config(tracking_uri, "device=cpu"))
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    precision = Precision("fp32", strategy.device)
     tracker = Tracker(cfg.mlflow, enabled=False)
     assert after_training(cfg, model, optimizer, precision, strategy, (4,), 2, tracker) is None
     found = search(model, optimizer, precision, strategy, (4,), 2, start=8, limit=1024)
@@ -176,12 +173,10 @@ def test_no_search_is_asked_by_default_and_a_cpu_never_searches(tracking_uri: st
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the search runs on a CUDA GPU")
 def test_on_a_gpu_the_batch_doubles_until_it_runs_out_of_memory(tracking_uri: str) -> None:
-    strategy = build_strategy(compose_config(tracking_uri, "device=cuda"))
-    strategy.setup()
+    strategy, precision = connect(compose_config(tracking_uri, "device=cuda", "precision=amp"))
     sample = (3, 224, 224)  # 0.6 MB an image: the inputs alone fill any GPU within 20 doublings
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 224 * 224, 10)).to(strategy.device)
     optimizer = torch.optim.AdamW(model.parameters())
-    precision = Precision("amp", strategy.device)
 
     capped = search(model, optimizer, precision, strategy, sample, 10, start=64, limit=256)
     assert capped.batch_size == 256 and "stopped at max_batch.limit=256" in capped.how

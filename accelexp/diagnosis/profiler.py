@@ -125,9 +125,9 @@ class StepProfiler:
         if not self._collect_due:
             return {}
         self._collect_due = False
-        traces = strategy.gather_object(self._payload())  # collective: every rank sends
-        metrics = self._publish(traces, tracker) if strategy.is_main else {}
-        strategy.barrier()  # the other ranks' next epoch starts when the analysis is done
+        traces = strategy.sync.gather_object(self._payload())  # collective: every rank sends
+        metrics = self._publish(traces, tracker) if strategy.shape.is_main else {}
+        strategy.sync.barrier()  # the other ranks' next epoch starts when the analysis is done
         return metrics
 
     def _payload(self) -> tuple[int, bytes] | None:

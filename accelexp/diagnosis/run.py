@@ -45,10 +45,12 @@ class RunDiagnosis:
         convolutional: bool = True,
     ) -> None:
         """`cfg`: the run's config, `in_effect`: the settings it really ran with where they
-        differ from it (`speed.channels_last` chosen by `auto`), `convolutional`: whether the
-        model has 2-D convolutions; the advice is drawn for them."""
+        differ from it (`speed.channels_last` chosen by `auto`; the precision it computes in,
+        bf16 for amp on a CPU, is the precision's own), `convolutional`: whether the model has
+        2-D convolutions; the advice is drawn for them."""
         self.strategy, self.precision = strategy, precision
-        self.cfg, self.in_effect, self.convolutional = cfg, dict(in_effect or {}), convolutional
+        self.in_effect = {**(in_effect or {}), "precision": precision.effective_name}
+        self.cfg, self.convolutional = cfg, convolutional
         self.batch_size, self.flops_per_sample = cfg.data.batch_size, flops_per_sample
         self.last: Breakdown | None = None
         self.samples_per_s_per_device = 0.0
@@ -84,7 +86,7 @@ class RunDiagnosis:
 
     def finish(self, tracker: Tracker, run_name: str) -> Verdict | None:
         """On the main rank: the verdict, printed and recorded. None before any epoch."""
-        if not self.strategy.is_main or self.last is None:
+        if not self.strategy.shape.is_main or self.last is None:
             return None
         device = self.strategy.device
         noise = self.noise_verdict()
@@ -100,7 +102,7 @@ class RunDiagnosis:
                 flop_utilisation=utilisation,
                 peak_mem_mb=self.peak_mem_mb,
                 device_mem_mb=device_memory_mb(device),
-                comm_advice=self.strategy.comm_advice(),
+                comm_advice=self.strategy.sync.comm_advice(),
                 hta=self.hta,
                 config=self.cfg,
                 in_effect=self.in_effect,
@@ -118,7 +120,7 @@ class RunDiagnosis:
 
     def say_noise(self) -> None:
         """The run's last console line, on the main rank: was the machine quiet while timed."""
-        if self.strategy.is_main and self.noise:
+        if self.strategy.shape.is_main and self.noise:
             noise = self.noise_verdict()
             log.log(logging.WARNING if noise.contended else logging.INFO, "%s", noise.console())
 

@@ -10,7 +10,8 @@
 | model       | stages over devices (`model.Stages`)        | none                        |
 | hybrid      | stages over devices                         | DDP or Horovod (`engine`)   |
 
-`build_strategy(cfg)` composes the pair into the `base.Strategy` the loop talks to. The modules
+`build_strategy(cfg)` composes the pair into the `base.Strategy` the loop talks to; `connect(cfg)`
+sets it up and resolves the run's `Precision` with it, once. The modules
 are imported lazily, so torch.distributed and Horovod load only in the runs that use them, and
 this table is read without torch (the config checks and the report order by it).
 """
@@ -26,6 +27,7 @@ from accelexp.errors import ConfigError
 
 if TYPE_CHECKING:
     from accelexp.parallel.base import Placement, Strategy, Sync
+    from accelexp.precision import Precision
 
 PLACEMENTS = {
     "one device": "accelexp.parallel.base:Placement",
@@ -98,3 +100,15 @@ def build_strategy(cfg: DictConfig) -> Strategy:
         placement=placement(cfg.parallelism, cfg.device),
         sync=sync(cfg.parallelism),
     )
+
+
+def connect(cfg: DictConfig) -> tuple[Strategy, Precision]:
+    """The run's strategy, set up (its world joined, its devices chosen), and its `Precision`,
+    built on the device the strategy chose: the one place the two are resolved, together, as
+    Lightning Fabric's connector pairs a strategy with its precision. The strategy then gets the
+    object (`Strategy.wrap_model`, `optimizer_step`), never the option's name."""
+    from accelexp.precision import Precision
+
+    strategy = build_strategy(cfg)
+    strategy.setup()
+    return strategy, Precision.from_config(cfg.precision, strategy.device)

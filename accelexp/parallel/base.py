@@ -11,8 +11,9 @@ A `Strategy` is a `Placement` × a `Sync`:
 
 `accelexp.parallel.STRATEGIES` names the pairs (`hybrid` is stages × DDP or Horovod). The
 `Strategy` joins the world through its sync, lets its placement choose the devices, and builds
-the world's shape once (`WorldShape.build`). The loop wraps the model and optimizer, steps, and
-sums numbers across processes through it, and never asks which strategy is running.
+the world's shape once (`WorldShape.build`). The loop wraps the model and optimizer and steps
+through it, reads the world's facts from its `shape` and sums numbers across processes through
+its `sync`, and never asks which strategy is running.
 """
 
 from __future__ import annotations
@@ -185,11 +186,11 @@ class Sync:
         self,
         model: nn.Module,
         device: torch.device,
-        precision: str,
+        precision: Precision,
         compile_mode: str | None = None,
     ) -> nn.Module:
-        """The placed model, wrapped so replicas agree (`precision`: fp32, amp or bf16;
-        `compile_mode`: for a sync that `compiles_units`)."""
+        """The placed model, wrapped so replicas agree (`precision`: the run's, e.g. the dtypes
+        FSDP gathers and reduces in; `compile_mode`: for a sync that `compiles_units`)."""
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -234,9 +235,11 @@ class Sync:
 
     # --- communication time (accelexp.timing) -----------------------------------------------
     def take_comm_time(self) -> CommTime | None:
+        """The communication this sync timed since the last call; None: it does none."""
         return None
 
     def comm_advice(self) -> list[tuple[str, str]]:
+        """Overrides that cut this sync's communication, each with why (for a verdict)."""
         return []
 
     # --- collectives -------------------------------------------------------------------------
@@ -250,9 +253,11 @@ class Sync:
         pass
 
     def broadcast_object(self, obj: object) -> object:
+        """Rank 0's `obj` on every rank (a checkpoint read on rank 0's disk only)."""
         return obj
 
     def gather_object(self, obj: object) -> list:
+        """Every rank's `obj`, in rank order (e.g. the ranks' RNG states for a checkpoint)."""
         return [obj]
 
 
@@ -291,33 +296,7 @@ class Strategy:
     def teardown(self) -> None:
         self.sync.leave()
 
-    # --- the world's shape (see WorldShape) ---------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self.shape.rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.shape.local_rank
-
-    @property
-    def replicas(self) -> int:
-        """Processes training on different samples, each with a copy (or shard) of the model."""
-        return self.shape.replicas
-
-    @property
-    def world_size(self) -> int:
-        return self.shape.world_size
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def num_devices(self) -> int:
-        """Devices doing the work (the per-device throughput divides by this)."""
-        return self.shape.world_size
-
+    # --- what the loop asks of it (the world's facts: `shape`; collectives: `sync`) -----------
     @property
     def accumulate_steps(self) -> int:
         return self.cfg.accumulate_steps
@@ -331,7 +310,7 @@ class Strategy:
         """Facts about the world that are logged with the run."""
         return {
             **self.shape.describe(),
-            record.NUM_DEVICES: self.num_devices,
+            record.NUM_DEVICES: self.shape.world_size,
             record.DEVICE_TYPE: self.device.type,
             **self.placement.describe(),
             **self.sync.describe(),
@@ -342,11 +321,7 @@ class Strategy:
         and hybrid's: `tags.sync = 'ddp'`)."""
         return {record.PLACEMENT: self.placement.name, record.SYNC: self.sync.name}
 
-    # --- memory ------------------------------------------------------------------------------
-    def reset_memory_stats(self) -> None:
-        """Start a new peak (called at each epoch's start)."""
-        self.placement.reset_memory_stats()
-
+    # --- memory (a new peak at each epoch's start: `placement.reset_memory_stats`) ----------
     def memory_metrics(self) -> dict[str, float]:
         """Peak memory since the last reset, and what the model's state holds on this process:
         `state_mem_mb`, its parameters, gradients and optimizer state (a shard's, under FSDP)."""
@@ -357,18 +332,15 @@ class Strategy:
         return metrics
 
     # --- model and optimizer ----------------------------------------------------------------
-    def place(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
-        return self.placement.place(model, input_shape)
-
     def wrap_model(
         self,
         model: nn.Module,
+        precision: Precision,
         input_shape: Sequence[int] | None = None,
-        precision: str = "fp32",
         compile_mode: str | None = None,
     ) -> nn.Module:
         """The model placed, wrapped and, with a `compile_mode`, compiled (`torch.compile`)."""
-        placed = self.place(self.sync.prepare(model), input_shape)
+        placed = self.placement.place(self.sync.prepare(model), input_shape)
         self.model = self.sync.wrap(placed, self.device, precision, compile_mode)
         if compile_mode and not self.sync.compiles_units:
             self.model = self.placement.compile(self.model, compile_mode)
@@ -381,7 +353,7 @@ class Strategy:
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on the main rank, None elsewhere; every rank calls it."""
         state = self.sync.model_state_dict(self.unwrap(model))
-        return state if self.is_main else None
+        return state if self.shape.is_main else None
 
     def load_model_state_dict(self, model: nn.Module, state: dict | None) -> None:
         """The main rank's whole-model weights into every rank's model; every rank calls it."""
@@ -392,7 +364,7 @@ class Strategy:
     ) -> dict | None:
         """The whole optimizer's state on the main rank, None elsewhere; every rank calls it."""
         state = self.sync.optimizer_state_dict(self.unwrap(model), optimizer)
-        return state if self.is_main else None
+        return state if self.shape.is_main else None
 
     def load_optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict | None
@@ -402,7 +374,7 @@ class Strategy:
 
     def scale_lr(self, lr: float) -> float:
         """`parallelism.lr_scaling` with the number of samples per optimizer step."""
-        factor = self.replicas * self.accumulate_steps
+        factor = self.shape.replicas * self.accumulate_steps
         return lr * self.sync.lr_factor(factor, self.cfg.lr_scaling)
 
     def wrap_optimizer(
@@ -428,25 +400,17 @@ class Strategy:
         """
         return DistributedSampler(
             range(num_samples),
-            num_replicas=self.replicas,
-            rank=self.rank,
+            num_replicas=self.shape.replicas,
+            rank=self.shape.rank,
             shuffle=True,
             seed=seed,
         )
 
     def eval_sampler(self, num_samples: int) -> Sampler[int]:
         """This rank's share of an evaluation set: each sample once over all ranks, no padding."""
-        return ShardSampler(num_samples, self.replicas, self.rank)
+        return ShardSampler(num_samples, self.shape.replicas, self.shape.rank)
 
-    # --- communication time (accelexp.timing) -----------------------------------------------
-    def take_comm_time(self) -> CommTime | None:
-        """The communication this strategy timed since the last call; None: it does none."""
-        return self.sync.take_comm_time()
-
-    def comm_advice(self) -> list[tuple[str, str]]:
-        """Overrides that cut this strategy's communication, each with why (for a verdict)."""
-        return self.sync.comm_advice()
-
+    # --- advice (a verdict's; what cuts communication: `sync.comm_advice`) -------------------
     def scale_out_advice(self) -> tuple[str, str]:
         """The override that puts more devices to work, with why (for a verdict): twice the
         workers where replicas keep in sync, else what the placement suggests."""
@@ -454,21 +418,3 @@ class Strategy:
             workers = 2 * self.cfg.nprocs
             return f"parallelism.nprocs={workers}", f"{workers} workers: more devices"
         return self.placement.scale_out_advice()
-
-    # --- collectives -------------------------------------------------------------------------
-    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.sync.reduce_sum(tensor)
-
-    def reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.sync.reduce_max(tensor)
-
-    def barrier(self) -> None:
-        self.sync.barrier()
-
-    def broadcast_object(self, obj: object) -> object:
-        """Rank 0's `obj` on every rank (a checkpoint read on rank 0's disk only)."""
-        return self.sync.broadcast_object(obj)
-
-    def gather_object(self, obj: object) -> list:
-        """Every rank's `obj`, in rank order (e.g. the ranks' RNG states for a checkpoint)."""
-        return self.sync.gather_object(obj)

@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accelexp.parallel.distributed import TorchDistributed
+from accelexp.precision import Precision
 from accelexp.timing import CommTime
 
 
@@ -82,7 +83,7 @@ class DDPSync(TorchDistributed):
         self,
         model: nn.Module,
         device: torch.device,
-        precision: str,
+        precision: Precision,
         compile_mode: str | None = None,
     ) -> nn.Module:
         devices = {p.device for p in model.parameters()}

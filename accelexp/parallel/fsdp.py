@@ -13,9 +13,10 @@ all-gathered just before its forward (and again before its backward when
   only between steps).
 - `reshard_after_forward`: free the gathered parameters after each unit's forward (less memory,
   one more all-gather in the backward pass); false keeps them until the backward (ZeRO-2-like).
-- Mixed precision follows `precision`: bf16 (or fp16 for amp on CUDA) parameters in forward and
-  backward with fp32 master weights and optimizer; gradients reduced in fp32
-  (`reduce_in_fp32: false` reduces them in the compute dtype). fp16 on CUDA uses the run's
+- Mixed precision follows the run's `Precision` (its `compute_dtype` and `reduce_dtype`): bf16
+  (or fp16 for amp on CUDA) parameters in forward and backward with fp32 master weights and
+  optimizer; gradients reduced in fp32 (`reduce_in_fp32: false` reduces them in the compute
+  dtype). fp16 on CUDA uses the run's
   ordinary GradScaler: under FSDP2 gradients are DTensors, and GradScaler's inf check on them
   covers every shard. BatchNorm layers keep fp32 weights (FSDP1's default): a unit's
   BatchNorms are one fp32 group, sharded just before the unit.
@@ -60,16 +61,10 @@ from accelexp import record
 from accelexp.errors import ConfigError
 from accelexp.models import layer_sequence
 from accelexp.parallel.distributed import TorchDistributed
+from accelexp.precision import Precision
 
 GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
 SCATTERED = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-
-
-def compute_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The dtype FSDP gives the parameters in forward and backward (None: fp32 as stored)."""
-    if precision == "bf16" or (precision == "amp" and device.type != "cuda"):
-        return torch.bfloat16
-    return torch.float16 if precision == "amp" else None
 
 
 def own_layers(model: nn.Module) -> list[nn.Module]:
@@ -109,7 +104,7 @@ class FSDPSync(TorchDistributed):
         self,
         model: nn.Module,
         device: torch.device,
-        precision: str,
+        precision: Precision,
         compile_mode: str | None = None,
     ) -> nn.Module:
         cfg = self.cfg
@@ -118,8 +113,8 @@ class FSDPSync(TorchDistributed):
                 "parallelism.cpu_offload=true moves FSDP's shards from GPU memory to host memory, "
                 "but this run is on the CPU already. Drop parallelism.cpu_offload."
             )
-        dtype = compute_dtype(precision, device)
-        reduce_dtype = torch.float32 if cfg.reduce_in_fp32 or dtype is None else dtype
+        dtype = precision.compute_dtype  # the parameters' in forward and backward; None: fp32
+        reduce_dtype = precision.reduce_dtype(cfg.reduce_in_fp32)
         options = {
             "mesh": init_device_mesh(device.type, (torch.distributed.get_world_size(),)),
             "reshard_after_forward": cfg.reshard_after_forward,

@@ -112,7 +112,7 @@ class HorovodSync(Sync):
         self,
         model: nn.Module,
         device: torch.device,
-        precision: str,
+        precision: Precision,
         compile_mode: str | None = None,
     ) -> nn.Module:
         state = model.state_dict()
@@ -155,8 +155,7 @@ class HorovodSync(Sync):
         start = time.perf_counter()
         optimizer.synchronize()
         self.comm.wait("optimizer", time.perf_counter() - start)
-        if precision.scaler is not None:
-            precision.unscale_(optimizer)
+        precision.unscale_(optimizer)  # Horovod's AMP order: synchronize, unscale, step
         with optimizer.skip_synchronize():
             precision.step(optimizer)
 

@@ -96,6 +96,11 @@ class WorldShape:
         """Devices doing the work: what per-device throughput and scaling efficiency divide by."""
         return self.replicas * self.devices_per_replica
 
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that logs, tracks and saves."""
+        return self.rank == 0
+
     def describe(self) -> dict[str, int]:
         return {
             WORLD_SIZE: self.world_size,
