@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -96,7 +98,7 @@ def _alone_when_marked(
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
-    shared = tmp_path_factory.getbasetemp().parent  # one folder for all the workers of a run
+    shared = shared_folder(tmp_path_factory)
     alone = request.node.get_closest_marker("alone") is not None
     with open(shared / "turnstile.lock", "a") as turnstile, open(shared / "room.lock", "a") as room:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
@@ -124,6 +126,39 @@ def new_store(directory: Path, template: Path) -> str:
     db = directory / "mlflow.db"
     shutil.copyfile(template, db)
     return f"sqlite:///{db}"
+
+
+def shared_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder all the xdist workers of this test session see (this session's own without)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
+@pytest.fixture(scope="session")
+def reference(
+    tmp_path_factory: pytest.TempPathFactory, mlflow_template_db: Path
+) -> Callable[..., tuple[dict[str, torch.Tensor], dict[str, float]]]:
+    """`reference(*overrides)` -> (final parameters, final metrics) of the tiny run the overrides
+    compose, trained once per test session whichever tests and workers ask for it: the first
+    trains it under a lock, the others read its checkpoint (pytest-xdist's recipe for a
+    session fixture computed once)."""
+    from accelexp.launch import launch
+
+    root = shared_folder(tmp_path_factory) / "references"
+
+    def trained(*overrides: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        folder = root / hashlib.sha256("\0".join(overrides).encode()).hexdigest()[:16]
+        folder.mkdir(parents=True, exist_ok=True)
+        metrics_file = folder / "metrics.json"
+        with open(folder / "lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not metrics_file.is_file():
+                uri = new_store(folder, mlflow_template_db)
+                metrics = launch(compose_config(uri, *overrides), folder / "out")
+                metrics_file.write_text(json.dumps(metrics))
+        return final_params(folder / "out"), json.loads(metrics_file.read_text())
+
+    return trained
 
 
 @pytest.fixture

@@ -10,12 +10,11 @@ about half the model's state that a DDP worker holds; bad combinations stop befo
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import EXACT, assert_same_params, compose_config, final_params, new_store, only_run
+from conftest import compose_config, new_store, only_run
 
 from accelexp.config import ConfigError, validate
 from accelexp.errors import AccelexpError
@@ -24,76 +23,6 @@ from accelexp.parallel import connect
 from accelexp.parallel.world import World, WorldShape
 
 FSDP = ("parallelism=fsdp", "parallelism.nprocs=2")
-
-
-@pytest.fixture(scope="module")
-def single_reference(tmp_path_factory, mlflow_template_db):
-    """One process, global batch 64, 4 steps: what 2 FSDP workers with batch 32 must reproduce."""
-    root = tmp_path_factory.mktemp("single")
-    cfg = compose_config(
-        new_store(root, mlflow_template_db), *EXACT, "data.batch_size=64", "max_steps_per_epoch=4"
-    )
-    metrics = launch(cfg, root / "out")
-    return final_params(root / "out"), metrics
-
-
-@pytest.mark.parametrize("granularity", ["block", "model"])
-def test_two_fsdp_workers_equal_one_process_with_the_same_global_batch(
-    granularity, single_reference, tmp_path, tracking_uri
-):
-    cfg = compose_config(
-        tracking_uri,
-        *EXACT,
-        *FSDP,
-        f"parallelism.granularity={granularity}",
-        "data.batch_size=32",
-        "max_steps_per_epoch=4",
-    )
-    metrics = launch(cfg, tmp_path / "out")
-    params, single_metrics = single_reference
-    # best.pt holds the whole model as plain tensors (gathered on rank 0): it loads anywhere
-    saved = final_params(tmp_path / "out")
-    assert all(type(t) is torch.Tensor for t in saved.values())
-    assert_same_params(saved, params)
-    assert math.isclose(metrics["test_acc"], single_metrics["test_acc"], abs_tol=1e-3)
-    run = only_run(tracking_uri)
-    assert run.data.params["world_size"] == "2"
-    units = {"block": 5, "model": 1}[granularity]  # simple_cnn: 2 convs, 2 linears, the root
-    assert run.data.params["fsdp_units"] == str(units)
-    assert run.info.run_name == "simple_cnn-fsdp-np2-fp32"
-
-
-def test_two_compiled_fsdp_workers_equal_one_eager_process(
-    single_reference, tmp_path, tracking_uri
-):
-    """speed.compile=default under fsdp, through run.py's path: each layer compiled, then
-    sharded; the same parameters as one eager process, the warm-up timed as compile_s."""
-    cfg = compose_config(
-        tracking_uri, *EXACT, *FSDP, "speed.compile=default", "data.batch_size=32",
-        "max_steps_per_epoch=4",
-    )  # fmt: skip
-    launch(cfg, tmp_path / "out")
-    assert_same_params(final_params(tmp_path / "out"), single_reference[0])
-    run = only_run(tracking_uri)
-    assert run.data.params["fsdp_compiled_layers"] == "4"  # simple_cnn: 2 convs, 2 linears
-    assert run.data.metrics["compile_s"] > 0
-    assert run.info.run_name == "simple_cnn-fsdp-np2-fp32-compile:default"
-
-
-def test_fsdp_gradient_accumulation_equals_the_larger_batch(
-    single_reference, tmp_path, tracking_uri
-):
-    # 2 workers x 2 micro-batches of 16 (no reduce-scatter on the first) = one step on 64
-    cfg = compose_config(
-        tracking_uri,
-        *EXACT,
-        *FSDP,
-        "parallelism.accumulate_steps=2",
-        "data.batch_size=16",
-        "max_steps_per_epoch=8",
-    )
-    launch(cfg, tmp_path / "out")
-    assert_same_params(final_params(tmp_path / "out"), single_reference[0])
 
 
 def test_an_fsdp_worker_holds_half_the_state_a_ddp_worker_holds(tmp_path, mlflow_template_db):

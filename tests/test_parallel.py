@@ -17,12 +17,8 @@ import psutil
 import pytest
 import torch
 from conftest import (
-    EXACT,
     REPO,
-    assert_same_params,
     compose_config,
-    final_params,
-    new_store,
     output_of,
     run_cli,
 )
@@ -35,57 +31,6 @@ from accelexp.parallel.base import ShardSampler
 from accelexp.parallel.world import World, WorldShape, current_world, free_port
 
 STRATEGIES = ("ddp", "horovod")
-
-
-@pytest.fixture(scope="module")
-def single_reference(tmp_path_factory, mlflow_template_db):
-    """One process, global batch 64, 4 steps: what 2 workers with batch 32 must reproduce."""
-    root = tmp_path_factory.mktemp("single")
-    cfg = compose_config(
-        new_store(root, mlflow_template_db), *EXACT, "data.batch_size=64", "max_steps_per_epoch=4"
-    )
-    metrics = launch(cfg, root / "out")
-    return final_params(root / "out"), metrics
-
-
-@pytest.mark.parametrize("name", STRATEGIES)
-def test_two_workers_equal_one_process_with_the_same_global_batch(
-    name, single_reference, tmp_path, tracking_uri
-):
-    cfg = compose_config(
-        tracking_uri,
-        *EXACT,
-        f"parallelism={name}",
-        "parallelism.nprocs=2",
-        "data.batch_size=32",
-        "max_steps_per_epoch=4",
-    )
-    metrics = launch(cfg, tmp_path / "out")
-    params, single_metrics = single_reference
-    assert_same_params(final_params(tmp_path / "out"), params)
-    # evaluation covers the whole test set once over both ranks: same model, same accuracy
-    assert math.isclose(metrics["test_acc"], single_metrics["test_acc"], abs_tol=1e-3)
-    run = MlflowClient(tracking_uri).search_runs(["1"])[0]
-    assert run.data.params["world_size"] == "2"
-    assert run.data.params["threads"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
-
-
-@pytest.mark.parametrize("name", STRATEGIES)
-def test_gradient_accumulation_equals_the_larger_batch(
-    name, single_reference, tmp_path, tracking_uri
-):
-    # 2 workers x 2 micro-batches of 16 = one step on 64 samples, as the single process's
-    cfg = compose_config(
-        tracking_uri,
-        *EXACT,
-        f"parallelism={name}",
-        "parallelism.nprocs=2",
-        "parallelism.accumulate_steps=2",
-        "data.batch_size=16",
-        "max_steps_per_epoch=8",
-    )
-    launch(cfg, tmp_path / "out")
-    assert_same_params(final_params(tmp_path / "out"), single_reference[0])
 
 
 @pytest.mark.parametrize(

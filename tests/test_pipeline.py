@@ -15,11 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import (
-    EXACT,
-    assert_same_params,
     compose_config,
-    final_params,
-    new_store,
     only_run,
     output_of,
 )
@@ -173,37 +169,6 @@ def test_a_short_last_batch_runs_in_as_many_micro_batches_as_it_has_samples():
         torch.testing.assert_close(pipelined(copy.deepcopy(model), 2, 8)(x), model(x))
 
 
-@pytest.mark.parametrize(
-    ("model", "pipeline"),
-    [
-        ("model=simple_cnn", ("parallelism.stages=2", "parallelism.chunks=1")),
-        ("model=simple_cnn", ("parallelism.stages=3", "parallelism.chunks=4")),
-        ("model=simple_cnn", ("parallelism.split_points=[3,7,9]", "parallelism.stages=4")),
-        ("model=resnet18", ("parallelism.stages=2", "parallelism.chunks=1")),
-        ("model=resnet18", ("precision=bf16", "parallelism.stages=2", "parallelism.chunks=1")),
-        ("model=simple_cnn", ("optimizer=adamw", "scheduler=onecycle", "parallelism.chunks=2")),
-    ],
-    ids=["2-stages", "3-stages-4-chunks", "split-points", "resnet18", "resnet18-bf16", "adamw"],
-)
-def test_a_model_parallel_training_step_equals_a_single_device_step(
-    model, pipeline, tmp_path, mlflow_template_db
-):
-    exact = [o for o in EXACT if "resnet" not in model or not o.startswith("model.dropout")]
-    shared = [o for o in pipeline if not o.startswith("parallelism.")]  # precision, optimizer
-
-    def train(name: str, *overrides: str) -> dict[str, torch.Tensor]:
-        uri = new_store(tmp_path / name, mlflow_template_db)
-        cfg = compose_config(
-            uri, model, *exact, *overrides, "data.batch_size=64", "max_steps_per_epoch=4"
-        )
-        launch(cfg, tmp_path / name / "out")
-        return final_params(tmp_path / name / "out")
-
-    single = train("single", *shared)
-    split = train("model", "parallelism=model", *pipeline)
-    assert_same_params(split, single)
-
-
 # --- what is logged ------------------------------------------------------------------------
 
 
@@ -267,65 +232,6 @@ def test_fp16_with_one_gradscaler_over_stages_on_cuda(tmp_path, tracking_uri):
 
 
 # --- hybrid: replicas of a split model -------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def single_reference(tmp_path_factory, mlflow_template_db):
-    root = tmp_path_factory.mktemp("single")
-    cfg = compose_config(
-        new_store(root, mlflow_template_db), *EXACT, "data.batch_size=64", "max_steps_per_epoch=4"
-    )
-    launch(cfg, root / "out")
-    return final_params(root / "out")
-
-
-def test_hybrid_gradient_accumulation_equals_the_larger_batch(
-    single_reference, tmp_path, tracking_uri
-):
-    # 2 replicas x 2 micro-batches of 16 (DDP's no_sync on the first), 2 stages, chunks 4
-    cfg = compose_config(
-        tracking_uri,
-        *EXACT,
-        "parallelism=hybrid",
-        "parallelism.nprocs=2",
-        "parallelism.accumulate_steps=2",
-        "parallelism.chunks=4",
-        "data.batch_size=16",
-        "max_steps_per_epoch=8",
-    )
-    launch(cfg, tmp_path / "out")
-    assert_same_params(final_params(tmp_path / "out"), single_reference)
-
-
-@pytest.mark.parametrize("engine", ["ddp", "horovod"])
-def test_two_hybrid_replicas_equal_one_process_with_the_same_global_batch(
-    engine, single_reference, tmp_path, tracking_uri
-):
-    cfg = compose_config(
-        tracking_uri,
-        *EXACT,
-        "parallelism=hybrid",
-        f"parallelism.engine={engine}",
-        "parallelism.nprocs=2",
-        "parallelism.devices_per_replica=2",
-        "parallelism.chunks=2",
-        "data.batch_size=32",
-        "max_steps_per_epoch=4",
-    )
-    launch(cfg, tmp_path / "out")
-    assert_same_params(final_params(tmp_path / "out"), single_reference)
-    run = only_run(tracking_uri)
-    params = run.data.params
-    # on a CPU both stages of a replica share the one CPU: 2 replicas x 1 device
-    assert (params["replicas"], params["devices_per_replica"], params["world_size"]) == (
-        "2",
-        "1",
-        "2",
-    )
-    assert run.data.tags["parallelism"] == "hybrid"
-    assert (run.data.tags["placement"], run.data.tags["sync"]) == ("stages", engine)
-    assert run.info.run_name == f"simple_cnn-hybrid-{engine}-np2-s2c2-fp32"
-    assert "stage1_peak_mem_mb" in run.data.metrics
 
 
 def test_one_hybrid_replica_trains_in_this_process(tmp_path, tracking_uri):

@@ -14,11 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import (
-    EXACT,
-    assert_same_params,
-    compose_config,
     final_params,
-    new_store,
     only_run,
     run_cli,
 )
@@ -26,7 +22,6 @@ from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
 from accelexp.engine import eager_warmup_steps
-from accelexp.launch import launch
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer
 from accelexp.parallel import connect
@@ -172,48 +167,6 @@ def test_model_parallel_compiles_each_stage_and_keeps_the_outputs(compose_cfg):
     assert wrapped._compiled_call_impl is None  # the clock loop between stages stays eager
     torch.testing.assert_close(wrapped(torch.ones(4, 3, 16, 16)), expected)
     assert list(strategy.unwrap(wrapped).state_dict()) == list(model.state_dict())
-
-
-@pytest.fixture(scope="module")
-def eager_workers(tmp_path_factory, mlflow_template_db):
-    """Final parameters of 2 eager workers (NCHW, bf16 autocast), per engine, computed once."""
-    cache = {}
-
-    def params_of(name: str):
-        if name not in cache:
-            root = tmp_path_factory.mktemp(f"eager-{name}")
-            cfg = compose_config(new_store(root, mlflow_template_db), *two_workers(name))
-            launch(cfg, root / "out")
-            cache[name] = final_params(root / "out")
-        return cache[name]
-
-    return params_of
-
-
-def two_workers(name: str) -> tuple[str, ...]:
-    return (*EXACT, f"parallelism={name}", "parallelism.nprocs=2", "data.batch_size=32",
-            "max_steps_per_epoch=4", "precision=amp")  # fmt: skip
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("switch", ["speed.compile=default", "speed.channels_last=true"])
-@pytest.mark.parametrize("name", ["ddp", "horovod"])
-def test_two_workers_with_a_switch_train_as_the_eager_ones_do(
-    name, switch, eager_workers, tmp_path, tracking_uri
-):
-    """DDP (the DDP module compiled whole) and Horovod (the model compiled, its gradient hooks
-    intact; channels_last gradients synced through a contiguous copy, as Horovod needs), bf16
-    autocast: the same parameters as eager NCHW workers, to rounding."""
-    cfg = compose_config(tracking_uri, *two_workers(name), switch)
-    metrics = launch(cfg, tmp_path / "out")
-    assert all(math.isfinite(v) for v in metrics.values())
-    run_ = only_run(tracking_uri)
-    assert run_.info.status == "FINISHED"
-    assert ("compile_s" in run_.data.metrics) == ("compile" in switch)
-    params = final_params(tmp_path / "out")
-    if "channels_last" in switch:
-        assert params["0.weight"].is_contiguous(memory_format=torch.channels_last)
-    assert_same_params(params, eager_workers(name))
 
 
 @pytest.mark.slow

@@ -13,19 +13,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import (
-    EXACT,
-    assert_same_params,
-    compose_config,
-    final_params,
-    new_store,
-    only_run,
     output_of,
 )
 from omegaconf import OmegaConf
 
 from accelexp.config import ConfigError, validate
 from accelexp.errors import AccelexpError
-from accelexp.launch import launch
 from accelexp.models import build_model, layer_sequence
 from accelexp.models.vit import SelfAttention, auto_patch_size
 from accelexp.parallel.pipeline import Pipeline, split_layers
@@ -184,73 +177,6 @@ def test_a_two_stage_pipelined_vit_b_16_computes_the_unsplit_outputs(chunks):
         parts, _ = split_layers(model, 2)
         torch.testing.assert_close(Pipeline(model, parts, [CPU, CPU], chunks)(x), expected)
     assert parts[0].layer_names[0] == "embed" and parts[1].layer_names[-1] == "head"
-
-
-# --- every strategy --------------------------------------------------------------------------
-
-
-def test_single_dp_and_a_hybrid_replica_train_a_vit(tmp_path, mlflow_template_db):
-    for name in ("single", "dp", "hybrid"):
-        uri = new_store(tmp_path / name, mlflow_template_db)
-        cfg = compose_config(uri, *TINY_VIT, f"parallelism={name}", "parallelism.nprocs=1")
-        metrics = launch(cfg, tmp_path / name / "out")
-        assert 0 <= metrics["test_acc"] <= 1 and math.isfinite(metrics["test_loss"]), name
-        assert only_run(uri).info.status == "FINISHED"
-
-
-@pytest.fixture(scope="module")
-def single_vit(tmp_path_factory, mlflow_template_db):
-    """One process, global batch 64, 4 steps of the tiny ViT: what the others must reproduce."""
-    root = tmp_path_factory.mktemp("single-vit")
-    cfg = compose_config(
-        new_store(root, mlflow_template_db),
-        *TINY_VIT,
-        *EXACT,
-        "data.batch_size=64",
-        "max_steps_per_epoch=4",
-    )
-    launch(cfg, root / "out")
-    return final_params(root / "out")
-
-
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_a_model_parallel_vit_trains_as_one_device_does(chunks, single_vit, tmp_path, tracking_uri):
-    cfg = compose_config(
-        tracking_uri,
-        *TINY_VIT,
-        *EXACT,
-        "parallelism=model",
-        "parallelism.stages=2",
-        f"parallelism.chunks={chunks}",
-        "data.batch_size=64",
-        "max_steps_per_epoch=4",
-    )
-    launch(cfg, tmp_path / "out")
-    assert_same_params(final_params(tmp_path / "out"), single_vit)
-    params = only_run(tracking_uri).data.params
-    assert params["stage0_layers"].startswith("embed..blocks.")
-    assert params["stage1_layers"].endswith("..head")
-
-
-@pytest.mark.parametrize("name", ["ddp", "horovod", "fsdp"])
-def test_two_workers_train_a_vit_as_one_process_with_the_same_global_batch(
-    name, single_vit, tmp_path, tracking_uri
-):
-    cfg = compose_config(
-        tracking_uri,
-        *TINY_VIT,
-        *EXACT,
-        f"parallelism={name}",
-        "parallelism.nprocs=2",
-        "data.batch_size=32",
-        "max_steps_per_epoch=4",
-    )
-    launch(cfg, tmp_path / "out")
-    assert_same_params(final_params(tmp_path / "out"), single_vit)
-    params = only_run(tracking_uri).data.params
-    assert params["world_size"] == "2"
-    if name == "fsdp":  # a unit per block: the embedding, 2 encoder blocks, the head; the root
-        assert params["fsdp_units"] == "5"
 
 
 # --- bad input -----------------------------------------------------------------------------
