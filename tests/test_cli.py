@@ -163,13 +163,13 @@ def test_the_hint_names_the_key_that_failed(tmp_path, cli):
     assert "e.g. `python run.py data.batch_size=...`" in text
 
 
-def test_piped_output_has_no_progress_bar_frames(tmp_path):
+def test_piped_output_has_no_progress_bar_frames(tmp_path, tracking_uri):
     """A Slurm log or `| cat`: no tqdm `\r` frames glued onto the log lines, and the run ends
     with one short line."""
     result = run_cli(
         "data=synthetic", "data.num_train=512", "data.image_size=16", "data.batch_size=16",
         "epochs=1", "progress=true", "log_every_n_steps=1",
-        f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db", tmp_path=tmp_path,
+        f"mlflow.tracking_uri={tracking_uri}", tmp_path=tmp_path,
     )  # fmt: skip
     text = output_of(result)
     assert result.returncode == 0, text

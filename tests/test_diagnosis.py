@@ -247,8 +247,8 @@ def test_out_of_memory_is_one_message_and_a_failed_run(tmp_path, tracking_uri):
 
 
 @pytest.mark.slow
-def test_a_sweep_goes_on_past_an_out_of_memory_job(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_a_sweep_goes_on_past_an_out_of_memory_job(tmp_path, tracking_uri):
+    uri = tracking_uri
     result = run_cli(
         "-m",
         "data=synthetic",

@@ -10,7 +10,8 @@ its test, so a new kind of command in the docs needs a rule here. What the rules
   first, then run for real into this module's MLflow store, at a tiny size: `epochs=1
   max_steps_per_epoch=2 threads=1 progress=false repeats=1`, the synthetic set shrunk to 256 images
   of 16 px (other data sets keep their size), a sweep cut to two jobs (the first two values of its
-  first swept key, the first value of the others), folders in tmp. The docs/ commands are composed
+  first swept key, the first value of the others), folders in tmp; one whose path another test
+  runs for real (`RUN_BY`) is composed only. The docs/ commands are composed
   and validated (every mission path they show runs for real in its own test file). Not run even in
   the README: a command whose comment says it `needs a GPU` / `needs N GPUs`, one on CIFAR-10 when
   the set is not on disk (tests have no network), one with `...` (a pattern: your overrides go
@@ -330,10 +331,34 @@ def pasted_first(command: Command) -> bool:
     return any(place.startswith(README.name + ":") for place in command.source.split(", "))
 
 
+# README commands whose path another test runs for real (the same overrides, at a tiny size):
+# composed and validated here, not run twice. Each test named must set those keys.
+RUN_BY = {
+    "+experiment=memory_vs_speed": "tests/test_memory_study.py",  # the study's sweep
+    "repeats=3": "tests/test_sweeps.py",  # repeats round-robin, one row per configuration
+    "parallelism=fsdp model=vit_tiny": "tests/test_contract.py",  # FSDP workers train a ViT
+}
+
+
+def run_elsewhere(command: Command) -> str | None:
+    """The test that runs this README command's path for real, if one does."""
+    return next((test for text, test in RUN_BY.items() if text in command.text), None)
+
+
+def test_the_tests_named_for_readme_commands_run_them() -> None:
+    for text, test in RUN_BY.items():
+        assert any(text in c.text for c in doc_commands(README)), f"no README command has {text}"
+        source = (REPO / test).read_text()
+        words = [w.split("=")[0] for w in text.split() if "=" in w]
+        assert all(w in source for w in words), f"{test} does not run {text}"
+
+
 def not_here(command: Command, configs: list[DictConfig]) -> str | None:
     """Why the command is not run here (then it is only composed and validated), or None."""
     if not pasted_first(command):
         return "a docs/ command: composed and validated; its path runs in its own test"
+    if run_elsewhere(command):
+        return f"its path runs for real in {run_elsewhere(command)}"
     if NEEDS_GPU.search(command.comment):
         return "needs a GPU"
     if "..." in command.argv or PLACEHOLDER.search(command.text):
@@ -559,7 +584,7 @@ def rule_for(command: Command) -> Rule | None:
 def command_is_slow(command: Command) -> bool:
     """Runs here and starts several processes or compiles (read from the command and the study
     it names)."""
-    if rule_for(command) is not RUN_PY or not pasted_first(command):
+    if rule_for(command) is not RUN_PY or not pasted_first(command) or run_elsewhere(command):
         return False  # composed only
     if NEEDS_GPU.search(command.comment) or "launcher=slurm" in command.text:
         return False

@@ -58,8 +58,8 @@ def test_amp_with_fp16_gradient_compression_trains(name, compression, tmp_path, 
 
 
 @pytest.mark.parametrize("name", ["horovod"])  # ddp's: the README's scaling sweep, test_sweeps
-def test_a_sweep_over_worker_counts_logs_one_run_per_job(name, tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_a_sweep_over_worker_counts_logs_one_run_per_job(name, tmp_path, tracking_uri):
+    uri = tracking_uri
     result = run_cli(
         "-m",
         f"parallelism={name}",
@@ -115,7 +115,7 @@ def test_a_crashing_worker_fails_the_job_with_its_error_and_leaves_nothing(
     assert leftover_workers(str(tmp_path / "out" / "workers")) == []
 
 
-def test_a_crashing_worker_through_run_py_fails_the_run_and_exits_non_zero(tmp_path):
+def test_a_crashing_worker_through_run_py_fails_the_run_and_exits_non_zero(tmp_path, tracking_uri):
     result = run_cli(
         "parallelism=ddp",
         "parallelism.nprocs=2",
@@ -123,14 +123,14 @@ def test_a_crashing_worker_through_run_py_fails_the_run_and_exits_non_zero(tmp_p
         "data=synthetic",
         "data.image_size=16",
         "progress=false",
-        f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",
+        f"mlflow.tracking_uri={tracking_uri}",
         tmp_path=tmp_path,
     )
     assert result.returncode == 2
     assert "2 ddp workers failed" in output_of(result)
     assert "debug.raise_on_rank=0: failing at step 1" in output_of(result)
     # the job, not the killed worker, closes the run: FAILED, with the error, what was logged kept
-    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    client = MlflowClient(tracking_uri)
     (run,) = client.search_runs(["1"])
     assert run.info.status == "FAILED"
     error = Path(client.download_artifacts(run.info.run_id, "error.txt")).read_text()
@@ -163,8 +163,8 @@ def test_a_crashing_worker_through_run_py_fails_the_run_and_exits_non_zero(tmp_p
     ],
     ids=["torchrun", "horovodrun"],
 )
-def test_run_py_joins_a_world_its_launcher_made(launcher, tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_run_py_joins_a_world_its_launcher_made(launcher, tmp_path, tracking_uri):
+    uri = tracking_uri
     command = launcher if not launcher[0].startswith("-") else [sys.executable, *launcher]
     result = subprocess.run(
         [
@@ -280,9 +280,9 @@ def test_horovod_refuses_a_world_it_cannot_join(tmp_path):
     assert "slurm started 2 processes, but Horovod formed a world of 1" in output_of(result)
 
 
-def test_ddp_joins_a_slurm_world_from_its_environment(tmp_path):
+def test_ddp_joins_a_slurm_world_from_its_environment(tmp_path, tracking_uri):
     """What `srun --ntasks 2 python run.py parallelism=ddp` does: two tasks with SLURM_* env."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = tracking_uri
     port = str(free_port())
     command = [
         sys.executable, "run.py", "parallelism=ddp", "data=synthetic", "data.image_size=16",

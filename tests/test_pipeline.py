@@ -322,8 +322,10 @@ def test_more_devices_than_stages_is_refused(compose_cfg):
         (("parallelism.nprocs=2",), "parallelism=model runs in one process"),
     ],
 )
-def test_run_py_says_what_is_wrong_and_exits_2_before_training(overrides, message, tmp_path, cli):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_run_py_says_what_is_wrong_and_exits_2_before_training(
+    overrides, message, tmp_path, cli, tracking_uri
+):
+    uri = tracking_uri
     result = cli(
         "parallelism=model",
         *overrides,

@@ -170,8 +170,8 @@ def test_model_parallel_compiles_each_stage_and_keeps_the_outputs(compose_cfg):
 
 
 @pytest.mark.slow
-def test_the_speedups_study_runs_one_child_per_rung(tmp_path):
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+def test_the_speedups_study_runs_one_child_per_rung(tmp_path, tracking_uri):
+    uri = tracking_uri
     result = run_cli(
         "-m", "+experiment=speedups", "data.num_train=256", "data.num_test=128",
         "data.image_size=16", "data.batch_size=32", "epochs=1", "max_steps_per_epoch=4",
