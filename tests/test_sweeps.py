@@ -23,7 +23,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose_config, output_of, run_cli
+from conftest import REPO, compose_config, new_store, output_of, run_cli
 from mlflow import MlflowClient
 from playwright.sync_api import sync_playwright
 
@@ -57,8 +57,9 @@ CHROMIUM_ARGS = [
 ]
 
 
-def sweep(tmp: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, str]:
-    uri = f"sqlite:///{tmp}/mlflow.db"
+def sweep(tmp: Path, template: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, str]:
+    """`run.py -m` at the tiny size into a store of its own (a copy of the migrated template)."""
+    uri = new_store(tmp, template)
     result = run_cli(
         "-m", *TINY, *overrides, f"mlflow.tracking_uri={uri}", f"hydra.sweep.dir={tmp / 'sweep'}"
     )
@@ -77,12 +78,13 @@ def runs_of(uri: str) -> tuple[object, list]:
 
 
 @pytest.fixture(scope="module")
-def grid_sweep(tmp_path_factory):
+def grid_sweep(tmp_path_factory, mlflow_template_db):
     tmp = tmp_path_factory.mktemp("grid")
     # 16 steps an epoch on each of two workers, two epochs: the second epoch has steady-state
     # steps enough for a throughput (compare.MIN_STEADY_STEPS)
     result, uri = sweep(
         tmp,
+        mlflow_template_db,
         "parallelism=ddp",
         "parallelism.nprocs=1,2",
         "precision=fp32,amp",
@@ -127,9 +129,9 @@ def test_the_parent_carries_the_summary_and_the_plots(grid_sweep):
     assert f"#/experiments/{parent.info.experiment_id}/runs" in output_of(result)
 
 
-def test_a_failed_job_is_a_failed_child_and_the_sweep_goes_on(tmp_path):
+def test_a_failed_job_is_a_failed_child_and_the_sweep_goes_on(tmp_path, mlflow_template_db):
     # the second job's batch is larger than the training set: a ConfigError in that job only
-    result, uri = sweep(tmp_path, "data.batch_size=32,100000")
+    result, uri = sweep(tmp_path, mlflow_template_db, "data.batch_size=32,100000")
     assert result.returncode == 1, output_of(result)
     parent, children = runs_of(uri)
     assert parent.info.status == "FAILED"
@@ -143,10 +145,13 @@ def test_a_failed_job_is_a_failed_child_and_the_sweep_goes_on(tmp_path):
     assert "FAILED" in summary
 
 
-def test_repeats_run_round_robin_and_the_report_makes_each_configuration_one_row(tmp_path):
+def test_repeats_run_round_robin_and_the_report_makes_each_configuration_one_row(
+    tmp_path, mlflow_template_db
+):
     # 12 steps an epoch, two epochs: the second has steady steps enough for a throughput
     result, uri = sweep(
-        tmp_path, "precision=fp32,bf16", "repeats=2", "repeat_seed=vary",
+        tmp_path,
+        mlflow_template_db, "precision=fp32,bf16", "repeats=2", "repeat_seed=vary",
         "data.num_train=512", "max_steps_per_epoch=12",
     )  # fmt: skip
     assert result.returncode == 0, output_of(result)
@@ -176,10 +181,10 @@ def test_repeats_run_round_robin_and_the_report_makes_each_configuration_one_row
         assert behind + aside == 2 and row.samples_per_s_low is not None, row
 
 
-def test_repeats_without_m_and_a_sweep_of_repeats_are_refused_with_what_to_type(tmp_path):
-    single = run_cli(*TINY, "repeats=3", tmp_path=tmp_path)
+def test_repeats_without_m_and_a_sweep_of_repeats_are_refused_with_what_to_type(tmp_path, cli):
+    single = cli(*TINY, "repeats=3", tmp_path=tmp_path)
     assert single.returncode == 2 and "add -m" in output_of(single), output_of(single)
-    swept, _ = sweep(tmp_path, "repeats=2,3")
+    swept = cli("-m", *TINY, "repeats=2,3", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     assert swept.returncode == 2 and "repeats cannot be swept" in output_of(swept)
     assert "Traceback" not in output_of(single) + output_of(swept)
 
@@ -190,8 +195,10 @@ def test_a_single_run_has_no_parent(tmp_path, tracking_uri):
     assert "mlflow.parentRunId" not in run.data.tags
 
 
-def test_a_sweep_through_submitit_logs_its_children_under_the_parent(tmp_path):
-    result, uri = sweep(tmp_path, "hydra/launcher=submitit_local", "precision=fp32,bf16")
+def test_a_sweep_through_submitit_logs_its_children_under_the_parent(tmp_path, mlflow_template_db):
+    result, uri = sweep(
+        tmp_path, mlflow_template_db, "hydra/launcher=submitit_local", "precision=fp32,bf16"
+    )
     assert result.returncode == 0, output_of(result)
     parent, children = runs_of(uri)
     assert parent.info.status == "FINISHED"
