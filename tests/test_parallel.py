@@ -26,7 +26,7 @@ from mlflow import MlflowClient
 
 from accelexp.config import ConfigError
 from accelexp.launch import WorkerFailedError, launch
-from accelexp.parallel import build_strategy
+from accelexp.parallel import build_strategy, connect
 from accelexp.parallel.base import ShardSampler
 from accelexp.parallel.world import World, WorldShape, current_world, free_port
 
@@ -55,6 +55,24 @@ def test_amp_with_fp16_gradient_compression_trains(name, compression, tmp_path, 
     assert [
         m.step for m in MlflowClient(tracking_uri).get_metric_history(run.info.run_id, "train_loss")
     ] == [1, 2]
+
+
+@pytest.mark.parametrize(("hook", "compressed"), [("fp16", True), ("none", False)])
+def test_ddp_fp16_compression_sends_the_gradients_as_fp16(hook, compressed, compose_cfg):
+    """The gradients a step applies went through fp16 (each one a value fp16 can hold) exactly
+    when the comm hook compresses: DDP allreduces through its hook in a world of one process too.
+    (Horovod skips its allreduce in a world of one, so its compression shows in two workers only.)
+    """
+    strategy, precision = connect(compose_cfg("parallelism=ddp", f"parallelism.comm_hook={hook}"))
+    try:
+        torch.manual_seed(0)
+        model = strategy.wrap_model(torch.nn.Linear(64, 8), precision)
+        model(torch.randn(16, 64)).square().mean().backward()
+        grads = [p.grad for p in model.parameters()]
+        as_fp16 = [torch.equal(g, g.half().float()) for g in grads]
+        assert all(as_fp16) if compressed else not any(as_fp16)
+    finally:
+        strategy.teardown()
 
 
 @pytest.mark.parametrize("name", ["horovod"])  # ddp's: the README's scaling sweep, test_sweeps
