@@ -41,9 +41,11 @@ class Option:
 
 
 def primary_groups(conf_dir: Path = CONF_DIR) -> list[str]:
-    """The groups `config.yaml` picks a default option of, in its order."""
+    """The groups `config.yaml` picks a default option of, in its order (not Hydra's own, which
+    it overrides: `override hydra/sweeper`)."""
     defaults = OmegaConf.load(conf_dir / "config.yaml").defaults
-    return [next(iter(entry)) for entry in defaults if isinstance(entry, DictConfig)]
+    keys = [next(iter(entry)) for entry in defaults if isinstance(entry, DictConfig)]
+    return [key for key in keys if not key.startswith("override ")]
 
 
 @cache
