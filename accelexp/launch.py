@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from accelexp.config import ConfigError, validate
 from accelexp.errors import AccelexpError
 from accelexp.parallel import composition
+from accelexp.parallel.rules import several_workers
 from accelexp.parallel.world import current_world, port_in_use
 from accelexp.processes import JOB_ENV, kill_job, new_job_token, stop_job
 from accelexp.signals import interruption
@@ -72,7 +73,7 @@ def launch(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = (
     if sync.launcher is None:
         raise ConfigError(
             f"parallelism={cfg.parallelism.name} runs in one process, but parallelism.nprocs="
-            f"{nprocs}: use parallelism=ddp, fsdp, horovod or hybrid for several workers."
+            f"{nprocs}: use parallelism={_one_of(several_workers())} for several workers."
         )
     gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
     per_worker = placement.devices_per_worker(cfg.parallelism)
@@ -93,6 +94,11 @@ def launch(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = (
     if returncode != 0:
         raise WorkerFailedError(_failure_message(cfg, spec, returncode))
     return json.loads((spec / "result.json").read_text())
+
+
+def _one_of(names: Sequence[str]) -> str:
+    """The names as "a, b or c"."""
+    return " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def _write_spec(cfg: DictConfig, output_dir: Path, overrides: Sequence[str]) -> Path:

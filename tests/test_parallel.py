@@ -24,10 +24,12 @@ from conftest import (
 )
 from mlflow import MlflowClient
 
+from accelexp import parallel
 from accelexp.config import ConfigError
 from accelexp.launch import WorkerFailedError, launch
 from accelexp.parallel import build_strategy, connect
 from accelexp.parallel.base import ShardSampler
+from accelexp.parallel.rules import several_workers
 from accelexp.parallel.world import World, WorldShape, current_world, free_port
 
 STRATEGIES = ("ddp", "horovod")
@@ -243,6 +245,14 @@ def test_several_workers_need_a_multi_process_strategy(compose_cfg, tmp_path):
         ConfigError, match="use parallelism=ddp, fsdp, horovod or hybrid for several workers"
     ):
         launch(compose_cfg("parallelism.nprocs=2"), tmp_path / "out")
+
+
+@pytest.mark.parametrize("name", list(parallel.STRATEGIES))
+def test_the_table_says_which_strategies_start_workers(compose_cfg, name):
+    """`rules.several_workers` (the launcher's advice, read without torch) agrees with the
+    classes: a strategy starts workers exactly when its sync has a launcher."""
+    _, sync = parallel.composition(compose_cfg(f"parallelism={name}").parallelism)
+    assert (sync.launcher is not None) == (name in several_workers())
 
 
 def test_dp_on_a_cpu_runs_the_plain_module(compose_cfg, tmp_path, caplog):

@@ -2,7 +2,8 @@
 
 `check_resources(cfg, workers)`: cores for the workers, their threads and loader processes
 (unless `parallelism.oversubscribe=true`), memory for the data and the model, a full batch in
-every worker's share of the training set, and GPUs for a NCCL backend.
+every worker's share of the training set, GPUs for a NCCL backend, and what the strategy needs
+of the machine (`accelexp.parallel.rules.resource_problems`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from accelexp.errors import ConfigError
+from accelexp.parallel import rules as strategy_rules
 
 if TYPE_CHECKING:
     from accelexp.data.sources import SetShape
@@ -34,11 +36,7 @@ def check_resources(cfg: DictConfig, workers: int = 1) -> None:
             "  parallelism.backend=nccl needs CUDA GPUs, and this run has none (device="
             f"{cfg.device}): use parallelism.backend=gloo or auto."
         )
-    if cfg.parallelism.get("cpu_offload") and not gpus:
-        problems.append(
-            "  parallelism.cpu_offload=true moves FSDP's shards from GPU memory to host memory, "
-            f"but this run has no GPU (device={cfg.device}): drop parallelism.cpu_offload."
-        )
+    problems += strategy_rules.resource_problems(cfg, gpus)
     if problems:
         raise ConfigError("Cannot run this configuration here:\n" + "\n".join(problems))
 

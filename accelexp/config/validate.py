@@ -6,7 +6,9 @@ A key left unset, an interpolation that cannot be resolved (`${oc.env:NOPE}`) an
 with `+` that nothing reads are problems too; one that other options of its group have
 (`+data.num_train` with data=fashion_mnist) is named with them.
 
-What this machine can hold is checked apart, in `resources.py`.
+What a strategy refuses (its keys' choices, the combinations it cannot run) is the strategy's
+own, asked of `accelexp.parallel.rules`. What this machine can hold is checked apart, in
+`resources.py`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from accelexp.config.catalog import flatten, options_declaring
 from accelexp.errors import ConfigError
-from accelexp.parallel import HYBRID_ENGINES
+from accelexp.parallel import rules as strategy_rules
 
 PRECISIONS = ("fp32", "amp", "bf16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -121,13 +123,7 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
             lambda v: v is None or (all(b > a for a, b in pairwise(v)) and min(v, default=1) > 0),
             "null or strictly increasing layer indices >= 1, e.g. [4, 9]",
         ),
-        # fsdp: a message of its own (`_parallelism_problems`)
-        (
-            "parallelism.engine",
-            lambda v: v in (*HYBRID_ENGINES, "fsdp"),
-            " or ".join(HYBRID_ENGINES),
-        ),
-        ("parallelism.granularity", lambda v: v in ("block", "model"), "block or model"),
+        *strategy_rules.key_rules(),
         ("parallelism.devices_per_replica", *at_least_one),
         ("debug.raise_at_step", *at_least_one),
         ("debug.input_delay_ms", lambda v: v >= 0, "a number of milliseconds >= 0"),
@@ -212,9 +208,8 @@ def validate(cfg: DictConfig) -> None:
             f"  scheduler.warmup_epochs={cfg.scheduler.warmup_epochs} must be shorter than "
             f"epochs={cfg.epochs}."
         )
-    problems += _pipeline_problems(cfg.parallelism, cfg.data.batch_size)
+    problems += strategy_rules.problems(cfg)
     problems += _vit_problems(cfg)
-    problems += _parallelism_problems(cfg)
     if cfg.optimizer.get("nesterov") and cfg.optimizer.momentum == 0:
         problems.append(
             "  optimizer.nesterov=true needs a momentum, but optimizer.momentum=0: set "
@@ -267,54 +262,6 @@ def _example_fix(problem: str) -> str:
     """ ", e.g. `python run.py KEY=...`" for a problem with the value of KEY, else nothing."""
     match = re.match(r"\s*([\w.]+)=", problem)
     return f", e.g. `python run.py {match.group(1)}=...`" if match else ""
-
-
-def _parallelism_problems(cfg: DictConfig) -> list[str]:
-    """Combinations of parallelism with other choices that cannot run."""
-    parallelism, problems = cfg.parallelism, []
-    if parallelism.get("engine") == "fsdp":
-        problems.append(
-            "  parallelism=hybrid with parallelism.engine=fsdp: FSDP shards one model over the "
-            "data-parallel workers, and hybrid's replicas are pipelines of stages; sharding "
-            "pipeline stages (2-D parallelism) is not supported. Use parallelism=fsdp (shards, "
-            "one device per worker), or hybrid with parallelism.engine=ddp or horovod."
-        )
-    if parallelism.name == "fsdp" and cfg.speed.compile == "reduce-overhead":
-        problems.append(
-            "  speed.compile=reduce-overhead with parallelism=fsdp: CUDA graphs replay fixed "
-            "memory addresses, and FSDP frees and re-gathers the weights every step. Use "
-            "speed.compile=default or max-autotune with fsdp (each block compiled before it is "
-            "sharded), or parallelism=ddp for CUDA graphs."
-        )
-    return problems
-
-
-def _pipeline_problems(parallelism: DictConfig, batch_size: int) -> list[str]:
-    """Keys of `model` and `hybrid` that only make sense together."""
-    if "chunks" not in parallelism:
-        return []
-    problems = []
-    chunks, stages = parallelism.chunks, parallelism.stages
-    if chunks >= 1 and (chunks > batch_size or batch_size % chunks):
-        divisors = [c for c in range(1, min(batch_size, 64) + 1) if batch_size % c == 0]
-        problems.append(
-            f"  parallelism.chunks={chunks} does not cut data.batch_size={batch_size} into equal "
-            f"micro-batches: use chunks in {divisors} or a batch size divisible by {chunks}."
-        )
-    split_points = parallelism.split_points
-    if split_points is not None and stages is not None and len(split_points) != stages - 1:
-        problems.append(
-            f"  parallelism.split_points={list(split_points)} gives {len(split_points) + 1} "
-            f"stages, but parallelism.stages={stages}: give {stages - 1} split point(s) or set "
-            f"parallelism.stages={len(split_points) + 1}."
-        )
-    per_replica = parallelism.get("devices_per_replica")
-    if per_replica and stages is not None and stages < per_replica:
-        problems.append(
-            f"  parallelism.stages={stages} is fewer than parallelism.devices_per_replica="
-            f"{per_replica}: some devices would sit idle. Use stages>={per_replica} or null."
-        )
-    return problems
 
 
 def _vit_problems(cfg: DictConfig) -> list[str]:

@@ -20,8 +20,9 @@
 The advice is the run's own: with the run's config (`RunFacts.config`), an override already in
 effect (`precision=bf16` to a bf16 run) or one the config's validation refuses (CUDA graphs,
 `speed.compile=reduce-overhead`, to an `fsdp` run) is left out, "more devices" is the strategy's
-own (`Strategy.scale_out_advice`: twice its workers, say), and `speed.channels_last` is offered
-only to a model with convolutions.
+own (`Strategy.scale_out_advice`: twice its workers, say), the strategies' ways to need less
+memory per device are theirs (`accelexp.parallel.rules.MEMORY_ADVICE`), and
+`speed.channels_last` is offered only to a model with convolutions.
 
 The thresholds are round numbers, chosen so that the cases accelexp's tests produce on purpose
 (a slowed input pipeline, two Gloo workers on a large model with a tiny batch, a tiny model with
@@ -43,6 +44,7 @@ from omegaconf.errors import OmegaConfBaseException
 from accelexp import record
 from accelexp.config import ConfigError, validate
 from accelexp.config.catalog import flatten
+from accelexp.parallel.rules import MEMORY_ADVICE, ONE_DEVICE_SCALE_OUT
 from accelexp.timing import Breakdown
 
 INPUT_SHARE = 0.25
@@ -71,7 +73,7 @@ class RunFacts:
     in_effect: Mapping[str, str] = field(default_factory=dict)
     convolutional: bool = True  # the model has 2-D convolutions (channels_last helps it)
     # the strategy's override for more devices, with why (Strategy.scale_out_advice)
-    scale_out: tuple[str, str] = ("parallelism=ddp parallelism.nprocs=2", "more devices")
+    scale_out: tuple[str, str] = ONE_DEVICE_SCALE_OUT
     # the evidence that other work shared the machine while it was timed (NoiseVerdict), if any
     contention: list[str] = field(default_factory=list)
 
@@ -313,14 +315,5 @@ def memory_advice(batch_size: int) -> list[tuple[str, str]]:
             f"data.batch_size={max(1, batch_size // 2)} parallelism.accumulate_steps=2",
             "the same samples per optimizer step, half the activations at a time",
         ),
-        (
-            "parallelism=fsdp",
-            "parameters, gradients and optimizer state sharded over the data-parallel workers",
-        ),
-        (
-            "parallelism.reshard_after_forward=true",
-            "free each unit's gathered weights after its forward",
-        ),
-        ("parallelism=model", "the layers (and their memory) split over several GPUs"),
-        ("parallelism=hybrid", "stages over GPUs within each data-parallel replica"),
+        *MEMORY_ADVICE,  # the strategies' own
     ]

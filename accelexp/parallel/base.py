@@ -30,6 +30,7 @@ from torch.utils.data import DistributedSampler, Sampler
 
 from accelexp import record
 from accelexp.errors import AccelexpError
+from accelexp.parallel.rules import ONE_DEVICE_SCALE_OUT
 from accelexp.parallel.world import World, WorldShape
 from accelexp.precision import Precision
 from accelexp.timing import CommTime
@@ -135,7 +136,7 @@ class Placement:
 
     def scale_out_advice(self) -> tuple[str, str]:
         """The override that puts more devices to work on this placement, with why."""
-        return "parallelism=ddp parallelism.nprocs=2", "more devices"
+        return ONE_DEVICE_SCALE_OUT
 
     def reset_memory_stats(self) -> None:
         for device in set(self.devices):

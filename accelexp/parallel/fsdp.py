@@ -20,7 +20,8 @@ all-gathered just before its forward (and again before its backward when
   ordinary GradScaler: under FSDP2 gradients are DTensors, and GradScaler's inf check on them
   covers every shard. BatchNorm layers keep fp32 weights (FSDP1's default): a unit's
   BatchNorms are one fp32 group, sharded just before the unit.
-- `cpu_offload`: parameters, gradients and optimizer state live in host memory, on CUDA only.
+- `cpu_offload`: parameters, gradients and optimizer state live in host memory, on CUDA only
+  (refused before any worker starts on a run without a GPU: `rules.py`).
 - Gradient accumulation: the micro-batches that only accumulate skip the reduce-scatter
   (`set_requires_gradient_sync(False)`).
 - `speed.compile`: each layer of the model's layer sequence that holds parameters (a residual
@@ -58,7 +59,6 @@ from torch.distributed.fsdp import (
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from accelexp import record
-from accelexp.errors import ConfigError
 from accelexp.models import layer_sequence
 from accelexp.parallel.distributed import TorchDistributed
 from accelexp.precision import Precision
@@ -108,11 +108,6 @@ class FSDPSync(TorchDistributed):
         compile_mode: str | None = None,
     ) -> nn.Module:
         cfg = self.cfg
-        if cfg.cpu_offload and device.type != "cuda":
-            raise ConfigError(
-                "parallelism.cpu_offload=true moves FSDP's shards from GPU memory to host memory, "
-                "but this run is on the CPU already. Drop parallelism.cpu_offload."
-            )
         dtype = precision.compute_dtype  # the parameters' in forward and backward; None: fp32
         reduce_dtype = precision.reduce_dtype(cfg.reduce_in_fp32)
         options = {
