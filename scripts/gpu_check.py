@@ -39,6 +39,9 @@ why) or FAIL:
 11. `parallelism=fsdp parallelism.cpu_offload=true precision=bf16 model=vit_tiny`: the shards
     in host memory, a ViT's attention in bf16 (CUDA only; SKIP with --cpu).
 
+With --cpu the same checks run at toy size (`CPU_RUN`: 16 px, 2 steps of 16 images per epoch;
+check 1 at `CPU_IMAGE_SIZE`): they test the script, not the hardware.
+
 Exit code 0 when nothing failed. Runs go to a temporary MLflow store; nothing is downloaded.
 """
 
@@ -54,7 +57,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -84,6 +87,18 @@ SMALL_RUN = (
     "max_steps_per_epoch=10",
     "progress=false",
 )
+# --cpu tests the script, not the hardware: the same jobs at toy size, seconds each
+CPU_IMAGE_SIZE = 16
+CPU_RUN = (
+    "data=synthetic",
+    f"data.image_size={CPU_IMAGE_SIZE}",
+    "data.num_train=128",
+    "data.num_test=16",
+    "data.batch_size=16",
+    "epochs=2",
+    "max_steps_per_epoch=2",
+    "progress=false",
+)
 
 
 @contextlib.contextmanager
@@ -98,16 +113,16 @@ def true_fp32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = cudnn
 
 
-def check_same_numbers(devices: list[torch.device]) -> str:
+def check_same_numbers(devices: list[torch.device], image_size: int = 32) -> str:
     with true_fp32():
-        return _same_numbers(devices)
+        return _same_numbers(devices, image_size)
 
 
-def _same_numbers(devices: list[torch.device]) -> str:
+def _same_numbers(devices: list[torch.device], image_size: int) -> str:
     cfg = OmegaConf.create({"name": "resnet18", "pretrained": False, "small_input_max_size": 64})
     torch.manual_seed(0)
-    reference = build_model(cfg, 3, 10, 32).to(devices[0]).eval()
-    x = torch.randn(16, 3, 32, 32, device=devices[0])
+    reference = build_model(cfg, 3, 10, image_size).to(devices[0]).eval()
+    x = torch.randn(16, 3, image_size, image_size, device=devices[0])
     y = torch.randint(0, 10, (16,), device=devices[0])
     expected = reference(x)
     F.cross_entropy(expected, y).backward()
@@ -233,11 +248,11 @@ def check_grad_scaler_overflow(device: torch.device) -> str:
     )
 
 
-def run_job(store: Path, name: str, *overrides: str) -> dict:
+def run_job(store: Path, name: str, *overrides: str, size: Sequence[str] = SMALL_RUN) -> dict:
     """`python run.py ...` as a user types it; returns the run's params and metrics."""
     uri = f"sqlite:///{store / name}.db"
     command = [
-        sys.executable, "run.py", *SMALL_RUN, *overrides,
+        sys.executable, "run.py", *size, *overrides,
         f"mlflow.tracking_uri={uri}", f"hydra.run.dir={store / name}",
     ]  # fmt: skip
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -285,6 +300,11 @@ def main() -> int:
           f"hybrid: {replicas} replica(s) x {per_replica} device(s)")  # fmt: skip
 
     store = Path(tempfile.mkdtemp(prefix="accelexp-gpu-check-"))
+    size = CPU_RUN if args.cpu else SMALL_RUN
+
+    def run(name: str, *overrides: str) -> dict:
+        return run_job(store, name, *overrides, size=size)
+
     results: dict[str, str] = {}
 
     def check(name: str, fn: Callable[[], str]) -> None:
@@ -300,8 +320,8 @@ def main() -> int:
         print(f"{name}: {results[name]}", flush=True)
 
     def model_amp() -> str:
-        job = run_job(store, "model-amp", *device_flag, "parallelism=model", placement,
-                      "parallelism.chunks=4", "precision=amp", "model=resnet18")  # fmt: skip
+        job = run("model-amp", *device_flag, "parallelism=model", placement,
+                  "parallelism.chunks=4", "precision=amp", "model=resnet18")  # fmt: skip
         params, metrics = job["params"], job["metrics"]
         assert [params["stage0_device"], params["stage1_device"]] == devices, params
         peaks = [metrics["stage0_peak_mem_mb"], metrics["stage1_peak_mem_mb"]]
@@ -313,15 +333,15 @@ def main() -> int:
                 f"{stage_params}, peak MiB {[round(p) for p in peaks]}")  # fmt: skip
 
     def model_bf16() -> str:
-        job = run_job(store, "model-bf16", *device_flag, "parallelism=model", placement,
-                      "precision=bf16", "parallelism.balance=compute",
-                      "model=resnet18")  # fmt: skip
+        job = run("model-bf16", *device_flag, "parallelism=model", placement,
+                  "precision=bf16", "parallelism.balance=compute",
+                  "model=resnet18")  # fmt: skip
         params, metrics = job["params"], job["metrics"]
         return f"split_points {params['split_points']}, test_acc {metrics['test_acc']:.3f}"
 
     def hybrid_run(engine: str) -> str:
-        job = run_job(store, f"hybrid-{engine}", *device_flag, *hybrid,
-                      f"parallelism.engine={engine}", "precision=amp")  # fmt: skip
+        job = run(f"hybrid-{engine}", *device_flag, *hybrid,
+                  f"parallelism.engine={engine}", "precision=amp")  # fmt: skip
         params = job["params"]
         shape = {k: params[k] for k in ("world_size", "replicas", "devices_per_replica")}
         assert int(params["replicas"]) == replicas, shape
@@ -337,7 +357,7 @@ def main() -> int:
         return hybrid_run("horovod")
 
     def dp_run() -> str:
-        job = run_job(store, "dp", *device_flag, "parallelism=dp")
+        job = run("dp", *device_flag, "parallelism=dp")
         params, metrics = job["params"], job["metrics"]
         assert int(params["num_devices"]) == max(1, gpus), params["num_devices"]
         assert params["device_type"] == ("cpu" if args.cpu else "cuda"), params["device_type"]
@@ -350,8 +370,8 @@ def main() -> int:
         switches = ("channels_last=true", "tf32=true", "compile=default", "optimizer_impl=fused")
         overrides = [f"speed.{switch}" for switch in switches]
         # val = test (one evaluation shape): the compiled model compiles its eval graph once
-        job = run_job(store, "switches", *device_flag, *overrides, "precision=amp",
-                      "data.val_fraction=0")  # fmt: skip
+        job = run("switches", *device_flag, *overrides, "precision=amp",
+                  "data.val_fraction=0")  # fmt: skip
         params, metrics, tags = job["params"], job["metrics"], job["tags"]
         expected = dict(switch.split("=") for switch in switches)
         expected["cudnn_benchmark"] = "true"  # the default
@@ -377,9 +397,9 @@ def main() -> int:
         # one worker per GPU (NCCL; Gloo with --cpu), fp16 + GradScaler over sharded (DTensor)
         # gradients, then the largest-batch search of the memory study
         workers = min(2, gpus) if gpus else 1
-        job = run_job(store, "fsdp-amp", *device_flag, "parallelism=fsdp",
-                      f"parallelism.nprocs={workers}", "precision=amp", "model=resnet18",
-                      "max_batch.search=true", "max_batch.limit=8192")  # fmt: skip
+        job = run("fsdp-amp", *device_flag, "parallelism=fsdp",
+                  f"parallelism.nprocs={workers}", "precision=amp", "model=resnet18",
+                  "max_batch.search=true", "max_batch.limit=8192")  # fmt: skip
         params, metrics, tags = job["params"], job["metrics"], job["tags"]
         assert int(params["world_size"]) == workers, params["world_size"]
         state = metrics.get("state_mem_mb")
@@ -398,9 +418,9 @@ def main() -> int:
     def fsdp_offload_vit() -> str:
         if args.cpu:
             return "SKIP parallelism.cpu_offload=true needs CUDA (shards in host memory)"
-        job = run_job(store, "fsdp-offload-vit", "parallelism=fsdp", "parallelism.nprocs=1",
-                      "parallelism.cpu_offload=true", "precision=bf16",
-                      "model=vit_tiny")  # fmt: skip
+        job = run("fsdp-offload-vit", "parallelism=fsdp", "parallelism.nprocs=1",
+                  "parallelism.cpu_offload=true", "precision=bf16",
+                  "model=vit_tiny")  # fmt: skip
         metrics = job["metrics"]
         return (f"{metrics['samples_per_s']:.0f} samples/s, peak "
                 f"{metrics.get('peak_mem_mb', float('nan')):.0f} MiB, state "
@@ -408,7 +428,11 @@ def main() -> int:
                 f"{metrics['test_acc']:.3f}")  # fmt: skip
 
     device = torch.device("cpu") if args.cpu else torch.device("cuda", 0)
-    check("1 split == unsplit", lambda: check_same_numbers([torch.device(d) for d in devices]))
+    image_size = CPU_IMAGE_SIZE if args.cpu else 32
+    check(
+        "1 split == unsplit",
+        lambda: check_same_numbers([torch.device(d) for d in devices], image_size),
+    )
     check("2 model, amp (fp16 + GradScaler)", model_amp)
     check("3 model, bf16, balance=compute", model_bf16)
     check("4 hybrid, engine=ddp", lambda: hybrid_run("ddp"))
