@@ -135,18 +135,19 @@ def shared_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference(
+def reference_folder(
     tmp_path_factory: pytest.TempPathFactory, mlflow_template_db: Path
-) -> Callable[..., tuple[dict[str, torch.Tensor], dict[str, float]]]:
-    """`reference(*overrides)` -> (final parameters, final metrics) of the tiny run the overrides
-    compose, trained once per test session whichever tests and workers ask for it: the first
-    trains it under a lock, the others read its checkpoint (pytest-xdist's recipe for a
-    session fixture computed once)."""
+) -> Callable[..., Path]:
+    """`reference_folder(*overrides)` -> the folder of the tiny run the overrides compose, trained
+    in this process once per test session whichever tests and workers ask for it: the first
+    trains it under a lock, the others find it done (pytest-xdist's recipe for a session fixture
+    computed once). It holds the run folder `out/`, the MLflow store `mlflow.db` and the final
+    metrics `metrics.json`."""
     from accelexp.launch import launch
 
     root = shared_folder(tmp_path_factory) / "references"
 
-    def trained(*overrides: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def trained(*overrides: str) -> Path:
         folder = root / hashlib.sha256("\0".join(overrides).encode()).hexdigest()[:16]
         folder.mkdir(parents=True, exist_ok=True)
         metrics_file = folder / "metrics.json"
@@ -156,7 +157,21 @@ def reference(
                 uri = new_store(folder, mlflow_template_db)
                 metrics = launch(compose_config(uri, *overrides), folder / "out")
                 metrics_file.write_text(json.dumps(metrics))
-        return final_params(folder / "out"), json.loads(metrics_file.read_text())
+        return folder
+
+    return trained
+
+
+@pytest.fixture(scope="session")
+def reference(
+    reference_folder: Callable[..., Path],
+) -> Callable[..., tuple[dict[str, torch.Tensor], dict[str, float]]]:
+    """`reference(*overrides)` -> (final parameters, final metrics) of the tiny run the overrides
+    compose, trained once per test session (`reference_folder`)."""
+
+    def trained(*overrides: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        folder = reference_folder(*overrides)
+        return final_params(folder / "out"), json.loads((folder / "metrics.json").read_text())
 
     return trained
 

@@ -15,25 +15,31 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, compose_config, new_store, output_of, run_cli
+from conftest import REPO, compose_config, new_store, output_of
 from jobs import Job
 from mlflow import MlflowClient
 
 from accelexp.config import ConfigError
 from accelexp.train import run
 
-# about a second per epoch on this machine: the signal lands while training, after epoch 1
-EPOCHS = 4
+EPOCHS = 3
 RUN = (
     "data=synthetic",
-    "data.num_train=1024",
-    "data.image_size=32",
+    "data.num_train=320",
+    "data.num_test=128",
+    "data.image_size=16",
     "data.batch_size=32",
     "data.augment=true",  # the loader's generator is part of the state
     f"epochs={EPOCHS}",
-    "max_steps_per_epoch=30",
+    "max_steps_per_epoch=4",
     "progress=false",
+    "threads=1",
 )
+# The job is signalled as soon as it logs epoch 1: each training batch of a job that is killed
+# (and of its resumption, whose config must be the same) arrives this late, so epochs 2 and 3
+# take at least 8 x 0.3 s after that line, whatever the machine's load, and the signal lands in
+# the middle of training. The uninterrupted references are not slowed: it changes no result.
+SLOWED = (*RUN, "debug.input_delay_ms=300")
 DDP = ("parallelism=ddp", "parallelism.nprocs=2")
 FSDP = ("parallelism=fsdp", "parallelism.nprocs=2")
 EPOCH_METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
@@ -70,30 +76,26 @@ def assert_same_training(ref_dir: Path, ref_uri: str, dir_: Path, uri: str) -> N
     assert sorted(history(uri, got_run.info.run_id, "val_acc")) == list(range(1, EPOCHS + 1))
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory, mlflow_template_db):
-    """Uninterrupted runs, made once: {name: (output dir, tracking uri)}."""
-    made = {}
+@pytest.fixture
+def references(reference_folder):
+    """`references(*overrides)` -> (run folder, tracking uri) of the uninterrupted run of RUN and
+    the overrides, trained once per test session (`conftest.reference_folder`)."""
 
-    def reference(name: str, *overrides: str) -> tuple[Path, str]:
-        if name not in made:
-            folder = tmp_path_factory.mktemp(f"reference-{name}")
-            uri = new_store(folder, mlflow_template_db)
-            result = run_cli(*RUN, *overrides, f"mlflow.tracking_uri={uri}", tmp_path=folder)
-            assert result.returncode == 0, output_of(result)
-            made[name] = folder / "job", uri
-        return made[name]
+    def uninterrupted(*overrides: str) -> tuple[Path, str]:
+        folder = reference_folder(*RUN, *overrides)
+        return folder / "out", f"sqlite:///{folder / 'mlflow.db'}"
 
-    return reference
+    return uninterrupted
 
 
-def kill_and_resume(tmp_path, template, signum, *overrides) -> tuple[Path, str, str]:
-    """A run stopped by `signum` during epoch 2 or later, then `resume=auto` in a new folder.
+def kill_and_resume(tmp_path, template, cli, signum, *overrides) -> tuple[Path, str, str]:
+    """A run (a real process tree) stopped by `signum` during epoch 2 or later, then
+    `resume=auto` in a new folder (in this process: it is a run like any other).
     Returns (the resumed job's folder, the store, the interrupted run's id)."""
     uri = new_store(tmp_path, template)
     job = Job(
         tmp_path / "first",
-        *RUN,
+        *SLOWED,
         *overrides,
         f"mlflow.tracking_uri={uri}",
         f"hydra.run.dir={tmp_path / 'first' / 'job'}",
@@ -106,8 +108,12 @@ def kill_and_resume(tmp_path, template, signum, *overrides) -> tuple[Path, str, 
         job.kill_everything()
     interrupted = the_run(uri)
     assert interrupted.info.status == "KILLED"
-    result = run_cli(
-        *RUN, *overrides, f"mlflow.tracking_uri={uri}", "resume=auto", tmp_path=tmp_path / "again"
+    result = cli(
+        *SLOWED,
+        *overrides,
+        f"mlflow.tracking_uri={uri}",
+        "resume=auto",
+        tmp_path=tmp_path / "again",
     )
     assert result.returncode == 0, output_of(result)
     assert "Resuming after epoch" in output_of(result)
@@ -116,35 +122,39 @@ def kill_and_resume(tmp_path, template, signum, *overrides) -> tuple[Path, str, 
 
 @pytest.mark.slow
 def test_a_killed_run_resumed_ends_as_an_uninterrupted_one(
-    tmp_path, mlflow_template_db, references
+    tmp_path, mlflow_template_db, cli, references
 ):
-    resumed_dir, uri, run_id = kill_and_resume(tmp_path, mlflow_template_db, signal.SIGTERM)
+    resumed_dir, uri, run_id = kill_and_resume(tmp_path, mlflow_template_db, cli, signal.SIGTERM)
     run = the_run(uri)  # one run: the same one, continued
     assert run.info.run_id == run_id
     assert run.info.status == "FINISHED"
     assert int(run.data.tags["resumed_after_epoch"]) >= 1
-    assert_same_training(*references("single"), resumed_dir, uri)
+    assert_same_training(*references(), resumed_dir, uri)
 
 
 @pytest.mark.slow
 def test_a_killed_ddp_run_resumed_ends_as_an_uninterrupted_one(
-    tmp_path, mlflow_template_db, references
+    tmp_path, mlflow_template_db, cli, references
 ):
-    resumed_dir, uri, run_id = kill_and_resume(tmp_path, mlflow_template_db, signal.SIGINT, *DDP)
+    resumed_dir, uri, run_id = kill_and_resume(
+        tmp_path, mlflow_template_db, cli, signal.SIGINT, *DDP
+    )
     assert the_run(uri).info.run_id == run_id
     assert the_run(uri).info.status == "FINISHED"
-    assert_same_training(*references("ddp", *DDP), resumed_dir, uri)
+    assert_same_training(*references(*DDP), resumed_dir, uri)
 
 
 @pytest.mark.slow
 def test_a_killed_fsdp_run_resumed_ends_as_an_uninterrupted_one(
-    tmp_path, mlflow_template_db, references
+    tmp_path, mlflow_template_db, cli, references
 ):
     """last.pt holds FSDP's whole state, gathered from the shards; resuming reshards it."""
-    resumed_dir, uri, run_id = kill_and_resume(tmp_path, mlflow_template_db, signal.SIGTERM, *FSDP)
+    resumed_dir, uri, run_id = kill_and_resume(
+        tmp_path, mlflow_template_db, cli, signal.SIGTERM, *FSDP
+    )
     assert the_run(uri).info.run_id == run_id
     assert the_run(uri).info.status == "FINISHED"
-    assert_same_training(*references("fsdp", *FSDP), resumed_dir, uri)
+    assert_same_training(*references(*FSDP), resumed_dir, uri)
 
 
 @pytest.mark.slow
@@ -154,7 +164,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_world_resumes(
     uri = new_store(tmp_path, mlflow_template_db)
     job = Job(
         tmp_path,
-        *RUN,
+        *SLOWED,
         *DDP,
         "parallelism.max_restarts=1",
         f"mlflow.tracking_uri={uri}",
@@ -169,7 +179,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_world_resumes(
         job.kill_everything()
     assert "Resuming after epoch" in job.output
     assert the_run(uri).info.status == "FINISHED"
-    assert_same_training(*references("ddp", *DDP), tmp_path / "job", uri)
+    assert_same_training(*references(*DDP), tmp_path / "job", uri)
 
 
 @pytest.mark.slow
@@ -186,8 +196,8 @@ def test_a_joined_world_needs_no_shared_folder(launcher, tmp_path, mlflow_templa
         command = [str(Path(sys.executable).with_name("horovodrun")), "-np", "2"]
         command += ["-H", "localhost:2", "--gloo", sys.executable, "run.py", "parallelism=horovod"]
         rank = "${oc.env:HOROVOD_RANK}"
-    overrides = ["data=synthetic", "data.num_train=512", "data.image_size=16", "epochs=2"]
-    overrides += ["max_steps_per_epoch=3", "progress=false", "threads=1"]
+    overrides = ["data=synthetic", "data.num_train=512", "data.num_test=64", "data.image_size=16"]
+    overrides += ["epochs=2", "max_steps_per_epoch=3", "progress=false", "threads=1"]
     overrides += [f"mlflow.tracking_uri={uri}", f"hydra.run.dir={tmp_path}/rank{rank}"]
     result = subprocess.run(
         [*command, *overrides], cwd=REPO, capture_output=True, text=True, timeout=300
@@ -225,25 +235,28 @@ def test_resume_by_run_id_continues_that_run(tracking_uri, tmp_path):
     assert the_run(tracking_uri).info.run_id == run_id  # still one run
 
 
-def test_a_reused_run_folder_never_adopts_the_run_recorded_there(tmp_path, tracking_uri):
-    tiny = ("data=synthetic", "data.num_train=256", "data.image_size=16", "epochs=1")
-    tiny += ("max_steps_per_epoch=2", "progress=false", f"mlflow.tracking_uri={tracking_uri}")
-    assert run_cli(*tiny, tmp_path=tmp_path).returncode == 0
-    failing = run_cli(*tiny, "debug.raise_on_rank=0", tmp_path=tmp_path)
+TINY = ("data=synthetic", "data.num_train=256", "data.num_test=64", "data.image_size=16")
+TINY += ("epochs=1", "max_steps_per_epoch=2", "progress=false", "threads=1")
+
+
+def test_a_reused_run_folder_never_adopts_the_run_recorded_there(tmp_path, tracking_uri, cli):
+    tiny = (*TINY, f"mlflow.tracking_uri={tracking_uri}")
+    assert cli(*tiny, tmp_path=tmp_path).returncode == 0
+    failing = cli(*tiny, "debug.raise_on_rank=0", tmp_path=tmp_path)
     assert failing.returncode != 0
     client = MlflowClient(tracking_uri=tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name("accelexp").experiment_id])
     assert sorted(r.info.status for r in runs) == ["FAILED", "FINISHED"]
 
 
-def test_a_checkpoint_that_cannot_be_written_fails_the_run_with_one_message(tmp_path, tracking_uri):
+def test_a_checkpoint_that_cannot_be_written_fails_the_run_with_one_message(
+    tmp_path, tracking_uri, cli
+):
     """A storage error (here: `checkpoints` is a file, not a folder) ends the run FAILED with
     one line that says what to do, and keeps what it logged."""
     (tmp_path / "job").mkdir()
     (tmp_path / "job" / "checkpoints").write_text("in the way")
-    tiny = ("data=synthetic", "data.num_train=256", "data.image_size=16", "epochs=1")
-    tiny += ("max_steps_per_epoch=2", "progress=false", f"mlflow.tracking_uri={tracking_uri}")
-    result = run_cli(*tiny, tmp_path=tmp_path)
+    result = cli(*TINY, f"mlflow.tracking_uri={tracking_uri}", tmp_path=tmp_path)
     assert result.returncode == 2, output_of(result)
     assert "Traceback" not in output_of(result)
     assert "Could not write the checkpoint" in output_of(result)
