@@ -20,7 +20,8 @@ from mlflow.artifacts import download_artifacts
 from omegaconf import DictConfig
 
 from accelexp.diagnosis.profiler import StepProfiler, hta_figures
-from accelexp.parallel.base import Strategy
+from accelexp.parallel.base import Strategy, Sync
+from accelexp.parallel.world import WorldShape
 from accelexp.tracking import Tracker
 from accelexp.tracking.runs import significant
 
@@ -152,23 +153,26 @@ def test_an_epoch_too_short_to_record_says_so(compose_cfg, tmp_path, caplog):
     )
 
 
-class Rank1(Strategy):
-    """Rank 1 of two: what it sends to rank 0 is kept for `Rank0`."""
+class Rank1Sync(Sync):
+    """Rank 1 of two: what it sends to rank 0 is kept for `Rank0Sync`."""
 
     sent: object = None
 
-    @property
-    def rank(self) -> int:
-        return 1
-
     def gather_object(self, obj: object) -> list:
-        Rank1.sent = obj
+        Rank1Sync.sent = obj
         return [None, obj]
 
 
-class Rank0(Strategy):
+class Rank0Sync(Sync):
     def gather_object(self, obj: object) -> list:
-        return [obj, Rank1.sent]
+        return [obj, Rank1Sync.sent]
+
+
+def rank_of_two(cfg: DictConfig, rank: int) -> Strategy:
+    """One rank of a world of two whose gather is done by hand (`Rank0Sync`, `Rank1Sync`)."""
+    strategy = Strategy(cfg.parallelism, "cpu", sync=(Rank0Sync, Rank1Sync)[rank](cfg.parallelism))
+    strategy.shape = WorldShape(replicas=2, rank=rank)
+    return strategy
 
 
 def test_each_ranks_trace_lands_under_its_rank(compose_cfg, tmp_path):
@@ -177,9 +181,9 @@ def test_each_ranks_trace_lands_under_its_rank(compose_cfg, tmp_path):
     cfg = compose_cfg("profile=true", *SCHEDULE)
     tracker = started_tracker(cfg)
     rank1 = StepProfiler(cfg, tmp_path / "rank1", rank=1, device=torch.device("cpu"))
-    train(rank1, Rank1(cfg.parallelism, device="cpu"), Tracker(cfg.mlflow, enabled=False))
+    train(rank1, rank_of_two(cfg, 1), Tracker(cfg.mlflow, enabled=False))
     rank0 = StepProfiler(cfg, tmp_path / "rank0", rank=0, device=torch.device("cpu"))
-    train(rank0, Rank0(cfg.parallelism, device="cpu"), tracker)
+    train(rank0, rank_of_two(cfg, 0), tracker)
 
     assert not (tmp_path / "rank1").exists()  # only the main rank writes
     folder = tmp_path / "rank0" / "traces"
