@@ -90,11 +90,11 @@ def compose_config(tracking_uri: str, *overrides: str) -> DictConfig:
 def _alone_when_marked(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[None]:
-    """`make test` runs two tests at a time (pytest-xdist, one per core; `worksteal`: each worker
-    takes half the tests in order, an idle one takes from the other's end). A test marked `alone`
-    measures time or other processes' CPU (the verdicts, the noise probe), so it runs with no
-    other test beside it: it takes the room's lock exclusively, the others share it, and a
-    turnstile keeps new tests from starting while an `alone` test waits for the room."""
+    """A test marked `alone` measures time or other processes' CPU (the verdicts, the noise
+    probe), so it runs with no other test beside it. `make test` runs them after the others, by
+    themselves; under `pytest -n 2` (pytest-xdist) with them in, this keeps them apart: an
+    `alone` test takes the room's lock exclusively, the others share it, and a turnstile keeps
+    new tests from starting while an `alone` test waits for the room."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
