@@ -12,10 +12,11 @@ setup:
 run: setup
 	$(PY) run.py $(ARGS)
 
-# two at a time, then the tests marked `alone` (they time things) by themselves, so that no
-# worker idles waiting for the room (pytest exits 5 when PYTEST_ARGS select no such test)
+# two at a time, each process on one thread (two tests' processes on 2 cores: more threads only
+# contend), then the tests marked `alone` (they time things) by themselves, so that no worker
+# idles waiting for the room (pytest exits 5 when PYTEST_ARGS select no such test)
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not alone" $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal -m "not alone" $(PYTEST_ARGS)
 	$(PY) -m pytest -m alone $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 lint: setup
