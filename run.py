@@ -77,4 +77,4 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    sys.exit(startup.run_main(main))
+    outcome.exit_now(startup.run_main(main))

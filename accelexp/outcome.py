@@ -4,7 +4,7 @@ Exit codes: `EXIT_OK` (0); `EXIT_FAILED` (1: a sweep with a failed job or a pare
 not close, a worker that failed, an error Hydra reports itself, a bug); `EXIT_BAD_INPUT` (2: an
 `AccelexpError` said in one line, a folder that cannot be written, a value that does not resolve);
 128 + the signal on SIGINT/SIGTERM (130/143, `accelexp.signals`). `exit_code` maps an error that
-ends `python run.py` to its code.
+ends `python run.py` to its code; `exit_now` ends a process with its code (run.py, a worker).
 
 Statuses (MLflow's, `accelexp.tracking.runs`): `status_of` maps how a run's body ended to the
 status it is closed with — FINISHED, KILLED for a signal or a `SystemExit` (submitit's requeue),
@@ -22,12 +22,18 @@ or an error between jobs closes that parent, and `run_main` exits 1 after a swee
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
+import logging
+import os
+import sys
+import threading
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from omegaconf import DictConfig
 
@@ -40,8 +46,31 @@ EXIT_BAD_INPUT = 2
 
 __all__ = [
     "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "FAILED", "FINISHED", "KILLED", "SweepState",
-    "current_sweep_state", "exit_code", "keep_credentials_out", "status_of", "sweep_state",
+    "current_sweep_state", "exit_code", "exit_now", "keep_credentials_out", "status_of",
+    "sweep_state",
 ]  # fmt: skip
+
+
+def exit_now(code: int) -> NoReturn:
+    """End this process with `code`, doing what the interpreter's exit does but its teardown.
+
+    A Gloo process group's threads can still hold tensors of the last collectives when the
+    interpreter is torn down; freeing them then takes the GIL of an interpreter that is gone,
+    and the process aborts ("terminate called without an active exception", SIGABRT) after a run
+    that succeeded: torchrun then fails the job (pytorch/pytorch#179291). So, in the order of
+    Python's own exit: wait for the threads that are not daemons, collect the garbage (a DDP
+    model, its reducer and their futures) while the interpreter is whole, run the exit handlers
+    (MLflow's, logging's), flush the streams; then leave without the C++ teardown.
+    """
+    try:
+        threading._shutdown()  # what Python's exit does first: join the non-daemon threads
+        gc.collect()
+        atexit._run_exitfuncs()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
 def status_of(error: BaseException | None) -> str:

@@ -23,7 +23,8 @@ from accelexp.errors import AccelexpError
 from accelexp.parallel.world import current_world
 
 
-def main(spec: Path) -> None:
+def main(spec: Path) -> int:
+    """Train as this process's rank; the exit code."""
     world = current_world()
     logging.basicConfig(
         level=logging.INFO if world.rank == 0 else logging.WARNING,
@@ -49,14 +50,16 @@ def main(spec: Path) -> None:
         if isinstance(error, KeyboardInterrupt):
             stop = signals.interruption(error)
             logging.getLogger("accelexp").warning("Stopped by %s.", stop.name)
-            sys.exit(outcome.exit_code(stop))
+            return outcome.exit_code(stop)
         if ours:
             logging.getLogger("accelexp").error("%s", error)
-            sys.exit(outcome.EXIT_FAILED)  # the launcher's job says it, and exits 2
-        raise
+            return outcome.EXIT_FAILED  # the launcher's job says it, and exits 2
+        traceback.print_exc()
+        return 1
     if world.rank == 0:
         (spec / "result.json").write_text(json.dumps(metrics))
+    return outcome.EXIT_OK
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    outcome.exit_now(main(Path(sys.argv[1])))
