@@ -228,12 +228,14 @@ def _entry_point() -> types.ModuleType:
 
 
 def run_here(
-    capfd: pytest.CaptureFixture[str], *args: str, tmp_path: Path | None = None
+    capfd: pytest.CaptureFixture[str] | None, *args: str, tmp_path: Path | None = None
 ) -> subprocess.CompletedProcess:
     """`python run.py ARGS` in this process: run.py's `main` through `startup.run_main`, as its
     `__main__` does, with what the process would change put back afterwards (argv, environment,
     working folder, torch's threads, signal handlers, logging, Hydra's global state). For the
-    many cases that end before training (bad input); output is captured at the descriptors."""
+    many cases that end before training (bad input), and for runs whose process start-up would
+    only repeat what pytest's has done. Output is captured at the descriptors with `capfd`
+    (without: it goes to pytest's own capture, shown when the test fails, and is not returned)."""
     from hydra.core.global_hydra import GlobalHydra
 
     from accelexp import startup
@@ -246,7 +248,8 @@ def run_here(
         del os.environ[key]
     extra = [f"hydra.run.dir={tmp_path / 'job'}"] if tmp_path is not None else []
     sys.argv = [str(REPO / "run.py"), *args, *extra]
-    capfd.readouterr()
+    if capfd is not None:
+        capfd.readouterr()
     try:
         with contextlib.chdir(REPO):  # and back, whatever the job changed
             try:
@@ -267,7 +270,7 @@ def run_here(
             loggers[name].handlers[:] = kept
             loggers[name].setLevel(level)
         GlobalHydra.instance().clear()
-    out, err = capfd.readouterr()
+    out, err = capfd.readouterr() if capfd is not None else ("", "")
     return subprocess.CompletedProcess(args, int(code), out, err)
 
 

@@ -7,7 +7,8 @@ its test, so a new kind of command in the docs needs a rule here. What the rules
 
 - `python run.py ...` composes every job of the command with Hydra (a `-m` sweep: every point of its
   grid) and validates it with accelexp's own checks. The README's commands, the ones a user pastes
-  first, then run for real into this module's MLflow store, at a tiny size: `epochs=1
+  first, then run for real (run.py's `main` in this process: a new process would only repeat
+  pytest's imports) into this module's MLflow store, at a tiny size: `epochs=1
   max_steps_per_epoch=2 threads=1 progress=false repeats=1`, the synthetic set shrunk to 256 images
   of 16 px (other data sets keep their size), a sweep cut to two jobs (the first two values of its
   first swept key, the first value of the others), folders in tmp; one whose path another test
@@ -20,9 +21,10 @@ its test, so a new kind of command in the docs needs a rule here. What the rules
 - `torchrun` / `horovodrun` / `srun`: the run.py part is composed and validated (a world that
   torchrun and horovodrun make on one host is joined for real in tests/test_parallel.py).
 - `accelexp-report ...` runs against this module's store (after a tiny sweep of the experiment it
-  names, when the store has none), writing into tmp.
-- `mlflow ui` / `mlflow server` start for real on a free local port and answer `/health`; a team
-  server's PostgreSQL and S3 are replaced by this module's SQLite store and a tmp folder.
+  names, when the store has none), writing into tmp; its `main` in this process (the installed
+  command is started for real in tests/test_report_diagnose.py).
+- `mlflow ui` / `mlflow server`: MLflow's own parser takes the command line (a real server is
+  started and used in tests/test_sweeps.py and tests/test_credentials.py).
 - `pip install -e '.[EXTRAS]'`: each extra is declared in pyproject.toml (installing needs the
   network). `make TARGET` exists (`make -n`). `bash scripts/X.sh` is valid shell (`bash -n`), and
   runs for real when `DRY_RUN=1`. `horovodrun --check-build` runs. `python benchmarks/X.py` answers
@@ -41,9 +43,6 @@ import re
 import shlex
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,8 +55,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from accelexp.config import register_configs
 from accelexp.config.validate import check_one_job_of_a_study, validate
-from accelexp.parallel.world import free_port
-from tests.conftest import CONF_DIR, REPO, new_store
+from accelexp.report import main as report_main
+from tests.conftest import CONF_DIR, REPO, new_store, run_here
 
 README = REPO / "README.md"
 DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
@@ -282,6 +281,14 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env | (extra or {})
 
 
+def run_py_ok(args: list[str]) -> None:
+    """`python run.py ARGS` in this process (`conftest.run_here`): a new process would only
+    repeat pytest's imports (torch, MLflow: most of a tiny run's time). Its output goes to the
+    test's capture, shown when it fails."""
+    result = run_here(None, *args)
+    assert result.returncode == 0, f"run.py {shlex.join(args)} exited {result.returncode}"
+
+
 def run_ok(argv: list[str], env: dict[str, str] | None = None) -> str:
     """Run a command in the repository; its output, or a failure that shows it."""
     done = subprocess.run(
@@ -318,7 +325,7 @@ def run_tiny(run: RunPy, configs: list[DictConfig], store: Store) -> None:
     for i, (key, values) in enumerate(swept):
         kept.append(f"{key}={','.join(values[: 2 if i == 0 else 1])}")
     multirun = ["-m"] if run.multirun else []
-    run_ok([sys.executable, "run.py", *multirun, *kept, *(f"{k}={v}" for k, v in sizes.items())])
+    run_py_ok([*multirun, *kept, *(f"{k}={v}" for k, v in sizes.items())])
 
 
 def cifar10_on_disk(cfg: DictConfig) -> bool:
@@ -374,7 +381,7 @@ def check_run_py(command: Command, store: Store) -> None:
     at = argv.index("run.py")
     run = RunPy.parse(argv[at + 1 :])
     if run.options:  # --help, --cfg job, --info ...: Hydra answers without training
-        run_ok([sys.executable, "run.py", *run.options, *run.overrides])
+        run_py_ok([*run.options, *run.overrides])
         return
     configs = compose_and_validate(run)
     if configs[0].hydra.launcher.get("_target_", "").endswith("SlurmLauncher"):
@@ -435,50 +442,15 @@ def check_report(command: Command, store: Store) -> None:
         args += ["--tracking-uri", store.uri]
     if "--output-dir" not in args:
         args += ["--output-dir", str(store.folder("report"))]
-    run_ok([executable("accelexp-report"), *args])
-
-
-def serve(argv: list[str]) -> None:
-    """Start an MLflow server command, wait for `/health` to answer, stop it."""
-    port = free_port()
-    argv = [*argv, "--host", "127.0.0.1", "--port", str(port)]
-    with subprocess.Popen(
-        argv, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as server:
-        try:
-            for _ in range(600):  # a guard against a server that never answers
-                if server.poll() is not None:
-                    pytest.fail(
-                        f"{shlex.join(argv)} exited {server.returncode}:\n{server.stdout.read()}"
-                    )
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health") as answer:
-                        assert answer.status == 200
-                        return
-                except (urllib.error.URLError, ConnectionError):
-                    time.sleep(0.5)
-            pytest.fail(f"{shlex.join(argv)} never answered /health")
-        finally:
-            server.terminate()
-
-
-def _drop_options(argv: list[str], *names: str) -> list[str]:
-    """argv without these options and their values."""
-    out, skip = [], False
-    for word in argv:
-        if skip:
-            skip = False
-        elif word in names:
-            skip = True
-        else:
-            out.append(word)
-    return out
+    # in this process: the installed command's own start is tests/test_report_diagnose.py's
+    assert report_main(args) == 0, f"accelexp-report {shlex.join(args)} failed (its output above)"
 
 
 def check_mlflow_server(command: Command, store: Store) -> None:
-    """mlflow ui/server on a free local port over the module's store (a team server's PostgreSQL
-    and S3 replaced by it and a tmp folder) answers /health. A PostgreSQL URI names the driver
-    that the `postgres` extra installs."""
+    """mlflow ui/server: MLflow's own command-line parser takes every option as written (`ui` is
+    `server` under another name). A PostgreSQL URI names the driver that the `postgres` extra
+    installs. Not started here: tests/test_sweeps.py and tests/test_credentials.py start a real
+    `mlflow server` over a store of runs and use it (REST API, browser, basic auth)."""
     _, argv = command.words()
     uri = next((argv[i + 1] for i, a in enumerate(argv) if a == "--backend-store-uri"), "")
     if uri.startswith("postgresql"):
@@ -489,11 +461,11 @@ def check_mlflow_server(command: Command, store: Store) -> None:
         from sqlalchemy import create_engine
 
         create_engine(uri).dispose()  # imports the driver setup installed; connects to nothing
-    argv = _drop_options(argv, "--host", "--port", "--backend-store-uri", "--artifacts-destination")
-    argv += ["--backend-store-uri", store.uri, "--workers", "1"]  # 1: it answers sooner
-    if argv[1] == "server":
-        argv += ["--artifacts-destination", str(store.folder("artifacts"))]
-    serve([executable("mlflow"), *argv[1:]])
+    from mlflow.cli import cli as mlflow_cli
+
+    group = mlflow_cli.make_context("mlflow", argv[1:], resilient_parsing=False)
+    name, subcommand, rest = mlflow_cli.resolve_command(group, argv[1:])
+    subcommand.make_context(name, rest, parent=group)  # a usage error for an unknown option
 
 
 def check_pip_extras(command: Command, store: Store) -> None:
