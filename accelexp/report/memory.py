@@ -123,7 +123,7 @@ MEMORY = GroupedNotes(
         "max_batch": "max batch per worker",
     },
     display=MEMORY_DISPLAY,
-    numeric=frozenset(MEMORY_DISPLAY) | {"world_size", "num_devices"},
+    plain_numbers=frozenset({"world_size", "num_devices"}),
     missing="—",
     fold=frozenset({"model", "parallelism"}),
     widths=dict.fromkeys(
