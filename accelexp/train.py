@@ -274,10 +274,11 @@ def _run(
         diagnosis.finish(tracker, name)
         from accelexp.diagnosis import max_batch  # max_batch.search=true: the largest batch
 
-        max_batch.after_training(
-            cfg, trainer.model, optimizer, precision, strategy, sample_shape, data.num_classes,
-            tracker, switches.memory_format,
+        trial = max_batch.Trial(
+            trainer.model, optimizer, precision, strategy, sample_shape, data.num_classes,
+            switches.memory_format,
         )  # fmt: skip
+        max_batch.after_training(cfg, trial, tracker)
     except BaseException as error:  # KILLED by a signal or submitit's requeue, else FAILED
         tracker.end(outcome.status_of(error))
         raise
