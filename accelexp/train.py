@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -58,12 +59,20 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+class Loaders(NamedTuple):
+    """A run's batches: its training, validation and test sets'."""
+
+    train: BatchLoader
+    val: BatchLoader
+    test: BatchLoader
+
+
 def make_loaders(
     cfg: DictConfig,
     data: DataBundle,
     strategy: Strategy,
     memory_format: torch.memory_format = torch.contiguous_format,
-) -> tuple[BatchLoader, BatchLoader, BatchLoader]:
+) -> Loaders:
     """Train, val and test loaders; `data.on_device` decided once for all three."""
     on_device = resolve_on_device(
         cfg.data.on_device, strategy.device, data.nbytes, cfg.data.num_workers
@@ -96,7 +105,7 @@ def make_loaders(
             f"training set ({len(train.sampler)} samples): no full batch can be formed. "
             f"Use a smaller data.batch_size."
         )
-    return train, val, test
+    return Loaders(train, val, test)
 
 
 class DebugLoader:
@@ -166,11 +175,11 @@ def _run(
     model = build_model(cfg.model, data.in_channels, data.num_classes, data.image_size)
     switches = SpeedSwitches.resolve(cfg.speed, strategy.device, model, cfg.deterministic)
     switches.apply_backends()
-    train_loader, val_loader, test_loader = make_loaders(
-        cfg, data, strategy, switches.memory_format
+    loaders = make_loaders(cfg, data, strategy, switches.memory_format)
+    placement, generator = loaders.train.placement, loaders.train.generator
+    loaders = loaders._replace(
+        train=DebugLoader.wrap(loaders.train, cfg.debug, strategy.shape.rank)
     )
-    placement, generator = train_loader.placement, train_loader.generator
-    train_loader = DebugLoader.wrap(train_loader, cfg.debug, strategy.shape.rank)
     model = switches.prepare(model)
     sample_shape = (data.in_channels, data.image_size, data.image_size)
     flops_per_sample = flops.train_flops_per_sample(model, sample_shape)  # before placement
@@ -191,7 +200,7 @@ def _run(
         model,
     )
     steps = optimizer_steps_per_epoch(
-        len(train_loader), cfg.max_steps_per_epoch, strategy.accumulate_steps
+        len(loaders.train), cfg.max_steps_per_epoch, strategy.accumulate_steps
     )
     scheduler = build_scheduler(cfg.scheduler, optimizer, steps, cfg.epochs)
     trainer = Trainer(
@@ -270,14 +279,15 @@ def _run(
     try:
         if state is None:
             _log_run_files(tracker, output_dir, resolved)
-        metrics = fit(train_loader, val_loader, test_loader, progress)
+        metrics = fit(loaders, progress)
         diagnosis.finish(tracker, name)
         from accelexp.diagnosis import max_batch  # max_batch.search=true: the largest batch
 
-        max_batch.after_training(
-            cfg, trainer.model, optimizer, precision, strategy, sample_shape, data.num_classes,
-            tracker, switches.memory_format,
+        trial = max_batch.Trial(
+            trainer.model, optimizer, precision, strategy, sample_shape, data.num_classes,
+            switches.memory_format,
         )  # fmt: skip
+        max_batch.after_training(cfg, trial, tracker)
     except BaseException as error:  # KILLED by a signal or submitit's requeue, else FAILED
         tracker.end(outcome.status_of(error))
         raise
@@ -338,15 +348,9 @@ class Fit:
         self.generator, self.resolved = generator, resolved
         self.checkpoints = output_dir / "checkpoints"
 
-    def __call__(
-        self,
-        train_loader: BatchLoader,
-        val_loader: BatchLoader,
-        test_loader: BatchLoader,
-        progress: checkpoint.Progress,
-    ) -> dict[str, float]:
+    def __call__(self, loaders: Loaders, progress: checkpoint.Progress) -> dict[str, float]:
         try:
-            return self.epochs(train_loader, val_loader, test_loader, progress)
+            return self.epochs(loaders, progress)
         except RuntimeError as error:  # torch.OutOfMemoryError is one
             if not is_out_of_memory(error):
                 raise
@@ -355,13 +359,7 @@ class Fit:
         # freed before a sweep's next job starts
         raise failure
 
-    def epochs(
-        self,
-        train_loader: BatchLoader,
-        val_loader: BatchLoader,
-        test_loader: BatchLoader,
-        progress: checkpoint.Progress,
-    ) -> dict[str, float]:
+    def epochs(self, loaders: Loaders, progress: checkpoint.Progress) -> dict[str, float]:
         cfg, trainer, strategy = self.cfg, self.trainer, self.strategy
         run_start = time.perf_counter() - progress.elapsed_s
         trained: list[EpochResult] = []  # the epochs this process trained
@@ -369,10 +367,10 @@ class Fit:
             strategy.placement.reset_memory_stats()
             lr = trainer.optimizer.param_groups[0]["lr"]
             with self.profiler.epoch(epoch):
-                train = trainer.train_epoch(train_loader, epoch)
+                train = trainer.train_epoch(loaders.train, epoch)
             trained.append(train)
             self.diagnosis.profiled(self.profiler.collect(strategy, self.tracker))
-            val_loss, val_acc = trainer.evaluate(val_loader, "val")
+            val_loss, val_acc = trainer.evaluate(loaders.val, "val")
             elapsed = time.perf_counter() - run_start
             memory = strategy.memory_metrics()
             per_device = train.samples_per_s / strategy.shape.world_size
@@ -411,7 +409,7 @@ class Fit:
                     epoch, cfg.epochs, train.loss, train.accuracy, val_loss, val_acc,
                     train.samples_per_s, train.seconds,
                 )  # fmt: skip
-        return self.test(test_loader, progress, time.perf_counter() - run_start, trained)
+        return self.test(loaders.test, progress, time.perf_counter() - run_start, trained)
 
     def save_best(self, epoch: int, val_acc: float) -> None:
         """The whole model's weights; every rank takes part (FSDP gathers its shards)."""

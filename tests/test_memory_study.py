@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from accelexp.config import register_configs
 from accelexp.config.validate import validate
-from accelexp.diagnosis.max_batch import after_training, not_searched_on, search
+from accelexp.diagnosis.max_batch import Trial, after_training, not_searched_on, search
 from accelexp.parallel import connect
 from accelexp.report.cli import main as report_main
 from accelexp.report.memory import (
@@ -165,8 +165,9 @@ def test_no_search_is_asked_by_default_and_a_cpu_never_searches(tracking_uri: st
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     tracker = Tracker(cfg.mlflow, enabled=False)
-    assert after_training(cfg, model, optimizer, precision, strategy, (4,), 2, tracker) is None
-    found = search(model, optimizer, precision, strategy, (4,), 2, start=8, limit=1024)
+    trial = Trial(model, optimizer, precision, strategy, (4,), 2)
+    assert after_training(cfg, trial, tracker) is None
+    found = search(trial, start=8, limit=1024)
     assert found == not_searched_on(torch.device("cpu"))
     assert found.batch_size is None and found.how == CPU_TAG
 
@@ -178,10 +179,11 @@ def test_on_a_gpu_the_batch_doubles_until_it_runs_out_of_memory(tracking_uri: st
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 224 * 224, 10)).to(strategy.device)
     optimizer = torch.optim.AdamW(model.parameters())
 
-    capped = search(model, optimizer, precision, strategy, sample, 10, start=64, limit=256)
+    trial = Trial(model, optimizer, precision, strategy, sample, 10)
+    capped = search(trial, start=64, limit=256)
     assert capped.batch_size == 256 and "stopped at max_batch.limit=256" in capped.how
 
-    found = search(model, optimizer, precision, strategy, sample, 10, start=1024, limit=2**30)
+    found = search(trial, start=1024, limit=2**30)
     assert found.batch_size is not None and found.batch_size >= 1024
     assert f"{found.batch_size * 2} ran out of memory" in found.how
     assert torch.cuda.memory_allocated(strategy.device) < 2**30  # freed after the last trial

@@ -59,63 +59,19 @@ def not_searched_on(device: torch.device) -> MaxBatch:
     return MaxBatch(None, f"not searched: needs a CUDA GPU (device {device.type})")
 
 
-def search(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    precision: Precision,
-    strategy: Strategy,
-    sample_shape: Sequence[int],
-    num_classes: int,
-    start: int,
-    limit: int,
-    memory_format: torch.memory_format = torch.contiguous_format,
-) -> MaxBatch:
-    """Double the per-worker batch from `start` while a training step fits, up to `limit`.
+@dataclass(frozen=True)
+class Trial:
+    """One training step at a given batch on random inputs of `sample_shape` (laid out as the
+    run's batches: `memory_format`), through the run's model, optimizer, precision and strategy;
+    calling it says whether every rank's step fit."""
 
-    Every rank must call this with the same arguments (the trials are collective). On a device
-    other than CUDA nothing is tried (`not_searched_on`)."""
-    device = strategy.device
-    if device.type != "cuda":
-        return not_searched_on(device)
-    if start > limit:
-        return MaxBatch(
-            None, f"not searched: data.batch_size={start} is above max_batch.limit={limit}"
-        )
-    trial = _Trial(model, optimizer, precision, strategy, sample_shape, num_classes, memory_format)
-    fit = too_big = None
-    batch = start
-    model.train()
-    while batch <= limit:
-        if not trial(batch):
-            too_big = batch
-            break
-        fit, batch = batch, batch * 2
-    origin = f"doubling the per-worker batch from data.batch_size={start}"
-    if fit is None:
-        return MaxBatch(None, f"{origin}: even {start} ran out of memory after training")
-    if too_big is None:
-        return MaxBatch(
-            fit, f"{origin}: {fit} fit; stopped at max_batch.limit={limit} with memory to spare"
-        )
-    return MaxBatch(fit, f"{origin}: {fit} fit, {too_big} ran out of memory")
-
-
-class _Trial:
-    """One training step at a given batch on random inputs; True when every rank's step fit."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        precision: Precision,
-        strategy: Strategy,
-        sample_shape: Sequence[int],
-        num_classes: int,
-        memory_format: torch.memory_format,
-    ) -> None:
-        self.model, self.optimizer, self.precision = model, optimizer, precision
-        self.strategy, self.sample_shape = strategy, tuple(sample_shape)
-        self.num_classes, self.memory_format = num_classes, memory_format
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    precision: Precision
+    strategy: Strategy
+    sample_shape: Sequence[int]
+    num_classes: int
+    memory_format: torch.memory_format = torch.contiguous_format
 
     def __call__(self, batch: int) -> bool:
         fits = True
@@ -144,7 +100,38 @@ class _Trial:
             torch.cuda.synchronize(device)  # an asynchronous failure surfaces inside the trial
 
 
-def step_memory(trial: _Trial, batch: int) -> dict[str, float]:
+def search(trial: Trial, start: int, limit: int) -> MaxBatch:
+    """Double the per-worker batch from `start` while a training step (`trial`) fits, up to
+    `limit`.
+
+    Every rank must call this with the same arguments (the trials are collective). On a device
+    other than CUDA nothing is tried (`not_searched_on`)."""
+    device = trial.strategy.device
+    if device.type != "cuda":
+        return not_searched_on(device)
+    if start > limit:
+        return MaxBatch(
+            None, f"not searched: data.batch_size={start} is above max_batch.limit={limit}"
+        )
+    fit = too_big = None
+    batch = start
+    trial.model.train()
+    while batch <= limit:
+        if not trial(batch):
+            too_big = batch
+            break
+        fit, batch = batch, batch * 2
+    origin = f"doubling the per-worker batch from data.batch_size={start}"
+    if fit is None:
+        return MaxBatch(None, f"{origin}: even {start} ran out of memory after training")
+    if too_big is None:
+        return MaxBatch(
+            fit, f"{origin}: {fit} fit; stopped at max_batch.limit={limit} with memory to spare"
+        )
+    return MaxBatch(fit, f"{origin}: {fit} fit, {too_big} ran out of memory")
+
+
+def step_memory(trial: Trial, batch: int) -> dict[str, float]:
     """The peak of live tensors over one training step at `batch`, in MiB: `step_peak_mb`, and
     by kind `step_peak_<kind>_mb` (every rank steps; the figures are this rank's)."""
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -163,34 +150,19 @@ def step_memory(trial: _Trial, batch: int) -> dict[str, float]:
     return metrics
 
 
-def after_training(
-    cfg: DictConfig,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    precision: Precision,
-    strategy: Strategy,
-    sample_shape: Sequence[int],
-    num_classes: int,
-    tracker: Tracker,
-    memory_format: torch.memory_format = torch.contiguous_format,
-) -> MaxBatch | None:
-    """With `max_batch.search=true`: the search (`search`) on inputs laid out as the run's
-    batches (`memory_format`), its tag and metric recorded; None (nothing recorded) when the
-    search is off."""
+def after_training(cfg: DictConfig, trial: Trial, tracker: Tracker) -> MaxBatch | None:
+    """With `max_batch.search=true`: the search (`search`) with the run's `trial` step, its tag
+    and metric recorded (and on a CPU the step's memory, `step_memory`); None (nothing
+    recorded) when the search is off."""
     settings = OmegaConf.select(cfg, "max_batch")
     if settings is None or not settings.search:
         return None
-    result = search(
-        model, optimizer, precision, strategy, sample_shape, num_classes,
-        cfg.data.batch_size, settings.limit, memory_format,
-    )  # fmt: skip
+    result = search(trial, cfg.data.batch_size, settings.limit)
     tracker.set_tags({MAX_BATCH: result.how})
     if result.batch_size is not None:
         tracker.log_metrics({MAX_BATCH: result.batch_size}, step=cfg.epochs)
+    strategy = trial.strategy
     if strategy.device.type == "cpu":
-        trial = _Trial(
-            model, optimizer, precision, strategy, sample_shape, num_classes, memory_format
-        )
         tracker.log_metrics(step_memory(trial, cfg.data.batch_size), step=cfg.epochs)
     if strategy.shape.is_main:
         log.info("max_batch: %s", result.how)

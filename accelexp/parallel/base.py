@@ -157,6 +157,7 @@ class Sync:
 
     def __init__(self, cfg: DictConfig) -> None:
         self.cfg = cfg
+        self.device = torch.device("cpu")  # the replica's (first) device, once `start` has it
 
     @classmethod
     def label(cls, cfg: DictConfig) -> dict[str, str]:
@@ -169,7 +170,9 @@ class Sync:
         return World()
 
     def start(self, device: torch.device, shape: WorldShape) -> None:
-        """Open the communication between the processes, once their devices are chosen."""
+        """Open the communication between the processes, once their devices are chosen; `device`,
+        the replica's (first), is the one `wrap` wraps the model for. Overrides call this."""
+        self.device = device
 
     def leave(self) -> None:
         pass
@@ -184,14 +187,11 @@ class Sync:
     compiles_units = False
 
     def wrap(
-        self,
-        model: nn.Module,
-        device: torch.device,
-        precision: Precision,
-        compile_mode: str | None = None,
+        self, model: nn.Module, precision: Precision, compile_mode: str | None = None
     ) -> nn.Module:
-        """The placed model, wrapped so replicas agree (`precision`: the run's, e.g. the dtypes
-        FSDP gathers and reduces in; `compile_mode`: for a sync that `compiles_units`)."""
+        """The placed model (its first device: `self.device`), wrapped so replicas agree
+        (`precision`: the run's, e.g. the dtypes FSDP gathers and reduces in; `compile_mode`: for
+        a sync that `compiles_units`)."""
         return model
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -342,7 +342,7 @@ class Strategy:
     ) -> nn.Module:
         """The model placed, wrapped and, with a `compile_mode`, compiled (`torch.compile`)."""
         placed = self.placement.place(self.sync.prepare(model), input_shape)
-        self.model = self.sync.wrap(placed, self.device, precision, compile_mode)
+        self.model = self.sync.wrap(placed, precision, compile_mode)
         if compile_mode and not self.sync.compiles_units:
             self.model = self.placement.compile(self.model, compile_mode)
         return self.model

@@ -80,13 +80,9 @@ class DDPSync(TorchDistributed):
         return model
 
     def wrap(
-        self,
-        model: nn.Module,
-        device: torch.device,
-        precision: Precision,
-        compile_mode: str | None = None,
+        self, model: nn.Module, precision: Precision, compile_mode: str | None = None
     ) -> nn.Module:
-        devices = {p.device for p in model.parameters()}
+        device, devices = self.device, {p.device for p in model.parameters()}
         ddp = DistributedDataParallel(
             model,
             # one GPU: its id; a CPU module or one spread over several devices: None

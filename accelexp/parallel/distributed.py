@@ -36,6 +36,7 @@ class TorchDistributed(Sync):
         return self.world
 
     def start(self, device: torch.device, shape: WorldShape) -> None:
+        super().start(device, shape)
         backend = self.cfg.backend
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"

@@ -101,17 +101,13 @@ class FSDPSync(TorchDistributed):
     compiled = 0  # layers compiled before sharding (speed.compile)
 
     def wrap(
-        self,
-        model: nn.Module,
-        device: torch.device,
-        precision: Precision,
-        compile_mode: str | None = None,
+        self, model: nn.Module, precision: Precision, compile_mode: str | None = None
     ) -> nn.Module:
         cfg = self.cfg
         dtype = precision.compute_dtype  # the parameters' in forward and backward; None: fp32
         reduce_dtype = precision.reduce_dtype(cfg.reduce_in_fp32)
         options = {
-            "mesh": init_device_mesh(device.type, (torch.distributed.get_world_size(),)),
+            "mesh": init_device_mesh(self.device.type, (torch.distributed.get_world_size(),)),
             "reshard_after_forward": cfg.reshard_after_forward,
             "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype),
             "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Sync
-from accelexp.parallel.world import World, WorldShape, current_world
+from accelexp.parallel.world import World, current_world
 from accelexp.precision import Precision
 from accelexp.timing import CommTime
 
@@ -87,7 +87,7 @@ class HorovodSync(Sync):
 
     def join(self) -> World:
         hvd = self.hvd
-        hvd.init()
+        hvd.init()  # opens the communication too: `start` has nothing more to open
         world = current_world()
         if world.world_size != hvd.size():  # e.g. srun tasks of a Gloo-only Horovod
             raise AccelexpError(
@@ -98,9 +98,6 @@ class HorovodSync(Sync):
             )
         return World(hvd.rank(), hvd.size(), hvd.local_rank(), world.source)
 
-    def start(self, device: torch.device, shape: WorldShape) -> None:
-        pass  # hvd.init() opened the communication
-
     def leave(self) -> None:
         self.hvd.shutdown()
 
@@ -109,11 +106,7 @@ class HorovodSync(Sync):
         return 1 if self.cfg.op == "adasum" else super().lr_factor(samples_factor, rule)
 
     def wrap(
-        self,
-        model: nn.Module,
-        device: torch.device,
-        precision: Precision,
-        compile_mode: str | None = None,
+        self, model: nn.Module, precision: Precision, compile_mode: str | None = None
     ) -> nn.Module:
         state = model.state_dict()
         # Horovod sends contiguous tensors only: channels_last weights travel as NCHW copies

@@ -16,7 +16,7 @@ import csv
 import io
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ class Layout:
     row_type: type
     headers: Mapping[str, str]  # attribute -> header, in the order the readable tables show them
     display: Mapping[str, str] = field(default_factory=dict)  # attribute -> format of a number
-    numeric: frozenset[str] = frozenset()  # right-aligned
+    plain_numbers: frozenset[str] = frozenset()  # right-aligned like `display`'s, shown as they are
     optional: frozenset[str] = frozenset()  # left out of readable tables when blank in every row
     missing: str = ""  # what a readable table shows for a missing figure
     # the rich table only:
@@ -56,6 +56,26 @@ class Layout:
     def columns(self) -> tuple[str, ...]:
         """Every field, in declaration order: the CSV header."""
         return tuple(f.name for f in fields(self.row_type))
+
+    @property
+    def numeric(self) -> frozenset[str]:
+        """The right-aligned columns: the numbers with a format, and the plain ones."""
+        return frozenset(self.display) | self.plain_numbers
+
+    def brief(self, keys: Sequence[str], **changes: Any) -> Layout:
+        """These columns at a glance, for the default rich table in at most BRIEF_WIDTH columns:
+        `label` (the row's name with its status) headed as the layout's `label` column is,
+        samples/s a whole number with its interval as `±%`, columns one space apart; `changes`
+        as `dataclasses.replace` takes them (which cells fold, their widths)."""
+        return replace(
+            self,
+            headers={key: self.headers[self.label if key == "label" else key] for key in keys},
+            display=self.display | {"samples_per_s": "{:.0f}"},
+            relative=frozenset({"samples_per_s"}),
+            compact=True,
+            padding=0,
+            **changes,
+        )
 
     def shown(self, rows: Sequence[Any]) -> dict[str, str]:
         """The headers of the readable tables for these rows."""
@@ -99,11 +119,12 @@ class Layout:
         return stats.format_estimate(estimate, number, suffix)
 
 
+RATIO = "{:.2f}×"  # a speedup, a gain
 RUNS_DISPLAY = {
     "samples_per_s": "{:.1f}",
-    "speedup": "{:.2f}×",
+    "speedup": RATIO,
     "scaling_efficiency": "{:.2f}",
-    "amp_gain": "{:.2f}×",
+    "amp_gain": RATIO,
     "best_val_acc": "{:.4f}",
     "test_acc": "{:.4f}",
     "test_acc_sd": "±{:.4f}",
@@ -138,25 +159,22 @@ RUNS = Layout(
         "baseline_run": "baseline",
     },
     display=RUNS_DISPLAY,
-    numeric=frozenset(RUNS_DISPLAY) | {"world_size", "repeats"},
+    plain_numbers=frozenset({"world_size", "repeats"}),
     optional=frozenset({"compile_s", "device", "test_acc_sd", "noise"}),
     note="note",
 )
-RUNS_BRIEF = Layout(  # what a user needs at a glance: what the run was, how fast, how good
-    row_type=Row,
-    headers={
-        "label": "run",  # its name says its precision
-        "world_size": "workers",
-        "samples_per_s": "samples/s",
-        "speedup": "speedup",
-        "scaling_efficiency": "efficiency",
-        "amp_gain": "AMP gain",
-        "best_val_acc": "best val acc",
-        "peak_mem_mb": "peak mem (MB)",
-    },
-    display=RUNS_DISPLAY | {"samples_per_s": "{:.0f}"},
-    numeric=RUNS.numeric,
-    relative=frozenset({"samples_per_s"}),
+RUNS_BRIEF = RUNS.brief(  # what a user needs at a glance: what the run was, how fast, how good
+    # the run's label says its precision
+    [
+        "label",
+        "world_size",
+        "samples_per_s",
+        "speedup",
+        "scaling_efficiency",
+        "amp_gain",
+        "best_val_acc",
+        "peak_mem_mb",
+    ],
     # a long name, and a ratio with its interval (`1.82×` over `(1.75–1.90)`), break onto more
     # lines, never cut
     fold=frozenset({"label", "speedup", "scaling_efficiency", "amp_gain"}),
@@ -170,18 +188,10 @@ RUNS_BRIEF = Layout(  # what a user needs at a glance: what the run was, how fas
         "best_val_acc": 8,
         "peak_mem_mb": 8,
     },
-    compact=True,
-    padding=0,  # columns one space apart
-    note="note",
 )
-LADDER_DISPLAY = {
-    "samples_per_s": "{:.1f}",
-    "gain_vs_fp32": "{:.2f}×",
-    "compile_s": "{:.1f}",
-    "best_val_acc": "{:.4f}",
-    "test_acc": "{:.4f}",
-    "peak_mem_mb": "{:.1f}",
-}
+LADDER_FIGURES = ("samples_per_s", "compile_s", "best_val_acc", "test_acc", "peak_mem_mb")
+# a rung's figures read as a run's do
+LADDER_DISPLAY = {key: RUNS_DISPLAY[key] for key in LADDER_FIGURES} | {"gain_vs_fp32": RATIO}
 LADDER = Layout(
     row_type=LadderRow,
     headers={
@@ -199,37 +209,29 @@ LADDER = Layout(
         "status": "status",
     },
     display=LADDER_DISPLAY,
-    numeric=frozenset(LADDER_DISPLAY) | {"rung_index", "vs_previous"},
+    plain_numbers=frozenset({"rung_index", "vs_previous"}),
     note="note",
     label="rung",
 )
-LADDER_BRIEF = Layout(  # the ladder at a glance, in at most BRIEF_WIDTH columns
-    row_type=LadderRow,
-    headers={
-        "rung_index": "#",
-        "label": "rung",
-        "precision": "precision",
-        "speed": "speed",
-        "samples_per_s": "samples/s",
-        "vs_previous": "vs previous rung",
-        "gain_vs_fp32": "vs fp32",
-        "compile_s": "compile (s)",
-        "best_val_acc": "best val acc",
-        "peak_mem_mb": "peak mem (MB)",
-    },
-    display=LADDER_DISPLAY | {"samples_per_s": "{:.0f}"},
-    numeric=LADDER.numeric,
+LADDER_BRIEF = LADDER.brief(  # the ladder at a glance
+    [
+        "rung_index",
+        "label",
+        "precision",
+        "speed",
+        "samples_per_s",
+        "vs_previous",
+        "gain_vs_fp32",
+        "compile_s",
+        "best_val_acc",
+        "peak_mem_mb",
+    ],
     optional=frozenset({"compile_s"}),
-    relative=frozenset({"samples_per_s"}),
     # broken onto more lines, never cut: a gain over its interval, `1.27×` over `(1.10–1.45)`
     fold=frozenset({"label", "speed", "vs_previous", "gain_vs_fp32"}),
     # "channels_last", "12345 ±10%" and "(1.10–1.45)" fit on a line; headers wrap
     widths={"label": 13, "speed": 11, "samples_per_s": 10, "vs_previous": 11, "gain_vs_fp32": 11}
     | dict.fromkeys(["compile_s", "best_val_acc", "peak_mem_mb"], 8),
-    compact=True,
-    padding=0,
-    note="note",
-    label="rung",
 )
 DIAGNOSIS_SHARES = {
     "input_pct": "input %",
@@ -243,7 +245,6 @@ DIAGNOSIS = Layout(
     row_type=DiagnosisRow,
     headers={"run_name": "run", "bound": "bound", **DIAGNOSIS_SHARES, "next_override": "next"},
     display=dict.fromkeys(DIAGNOSIS_SHARES, "{:.1f}"),
-    numeric=frozenset(DIAGNOSIS_SHARES),
     optional=frozenset({"gpu_busy_pct"}),
     missing="—",
     fold=frozenset({"run_name", "bound", "next_override"}),

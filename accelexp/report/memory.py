@@ -40,7 +40,13 @@ from accelexp.record import (
 )
 from accelexp.report.compare import PARALLELISM_ORDER, measure, peak_memory, setting, world_size
 from accelexp.report.formats import Layout, to_csv, to_markdown
-from accelexp.report.plots import _legend_outside, _save, series_styles, title_subject
+from accelexp.report.plots import (
+    _legend_outside,
+    _save,
+    save_or_remove,
+    series_styles,
+    title_subject,
+)
 from accelexp.tracking.query import RunRecord
 
 MEMORY_PLOT = "memory_vs_speed.png"
@@ -123,7 +129,7 @@ MEMORY = GroupedNotes(
         "max_batch": "max batch per worker",
     },
     display=MEMORY_DISPLAY,
-    numeric=frozenset(MEMORY_DISPLAY) | {"world_size", "num_devices"},
+    plain_numbers=frozenset({"world_size", "num_devices"}),
     missing="—",
     fold=frozenset({"model", "parallelism"}),
     widths=dict.fromkeys(
@@ -280,9 +286,5 @@ def write_memory_report(rows: Sequence[MemoryRow], out_dir: Path, plots: bool = 
     markdown_path.write_text(to_markdown(rows, MEMORY))
     written = [csv_path, markdown_path]
     if plots:
-        plot = plot_memory_vs_speed(rows, out_dir / MEMORY_PLOT)
-        if plot is None:
-            (out_dir / MEMORY_PLOT).unlink(missing_ok=True)
-        else:
-            written.append(plot)
+        written += save_or_remove(memory_vs_speed_figure(rows), out_dir / MEMORY_PLOT)
     return written

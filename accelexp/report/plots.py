@@ -86,6 +86,15 @@ def _save(figure: Any | None, path: Path) -> Path | None:
     return path
 
 
+def save_or_remove(figure: Any | None, path: Path) -> list[Path]:
+    """[path], `figure` saved there; with no figure (nothing to plot), [] and no file at `path`,
+    not even an older report's."""
+    if figure is None:
+        path.unlink(missing_ok=True)
+        return []
+    return [_save(figure, path)]
+
+
 def _legend_outside(figure: Any, entries: Sequence[tuple[Any, str]] = (), **options: Any) -> None:
     """The legend right of the axes, top-aligned, so it never covers the data: the labelled
     artists, or `entries` (handle, label) when given; a tuple handle draws its artists side by
@@ -162,6 +171,17 @@ def _series(rows: Sequence[Row], metric: str) -> dict[str, list[tuple[int, float
         label: [(w, statistics.median(v)) for w, v in sorted(points.items())]
         for label, points in groups.items()
     }
+
+
+def _bar_axes(axes: Any, groups: Sequence[str], xlabel: str, ylabel: str, top: float) -> None:
+    """A bar chart's axes: a tick named per group of bars, heights from 0 to `top` (room for the
+    labels above the bars), horizontal grid lines behind the bars."""
+    axes.set_xticks(range(len(groups)), groups)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.set_ylim(0, top)
+    axes.grid(axis="y", alpha=0.3)
+    axes.set_axisbelow(True)
 
 
 def _workers(series: Mapping[str, list[tuple[int, float]]]) -> tuple[list[int], int]:
@@ -339,12 +359,10 @@ def amp_gain_figure(rows: Sequence[Row]) -> Any | None:
                           fontsize="small")  # fmt: skip
         top = max(top, *(h + e for h, e in zip(heights, errors[1], strict=True)))
     axes.axhline(1.0, label="fp32 (1.0×)", **REFERENCE)
-    axes.set_xticks(range(len(gains)), ["\n".join(group) for group in gains])
-    axes.set_xlabel("parallelism, workers")
-    axes.set_ylabel("AMP gain (× fp32 samples/s, like for like)")
-    axes.set_ylim(0, top * 1.18)  # room for the labels above the bars
-    axes.grid(axis="y", alpha=0.3)
-    axes.set_axisbelow(True)
+    _bar_axes(
+        axes, ["\n".join(group) for group in gains], "parallelism, workers",
+        "AMP gain (× fp32 samples/s, like for like)", top * 1.18,
+    )  # fmt: skip
     axes.set_title(f"AMP gain over fp32\n{_rows_subject(gained)}")
     _legend_outside(figure, title="precision")
     return figure
@@ -419,12 +437,10 @@ def ladder_figure(rows: Sequence[LadderRow]) -> Any | None:
         if row.compile_s is not None:
             label += f"\n+{row.compile_s:.0f} s compile"
         axes.text(middle, bar.get_height() + above + 0.01 * top, label, ha="center", va="bottom")
-    axes.set_xticks(list(positions), [row.rung for row in rows])
-    axes.set_xlabel("rung (each adds one switch to the one before)")
-    axes.set_ylabel("images/s (steady state; bars: 95 % interval)")
-    axes.set_ylim(0, top * 1.2)  # room for the labels above the bars
-    axes.grid(axis="y", alpha=0.3)
-    axes.set_axisbelow(True)
+    _bar_axes(
+        axes, [row.rung for row in rows], "rung (each adds one switch to the one before)",
+        "images/s (steady state; bars: 95 % interval)", top * 1.2,
+    )  # fmt: skip
     axes.set_title(f"Speed-up ladder (labels: gain over fp32)\n{ladder_subject(rows)}")
     return figure
 
@@ -479,10 +495,7 @@ def _bar_label(row: DiagnosisRow) -> str:
 def write_time_plot(rows: Sequence[DiagnosisRow], subject: str, out_dir: Path) -> list[Path]:
     """TIME_PLOT in `out_dir` when a run has time accounting; else no file (nor an older one)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = plot_time_breakdown(rows, subject, out_dir / TIME_PLOT)
-    if path is None:
-        (out_dir / TIME_PLOT).unlink(missing_ok=True)
-    return [path] if path is not None else []
+    return save_or_remove(time_breakdown_figure(rows, subject), out_dir / TIME_PLOT)
 
 
 def write_plots(
@@ -502,11 +515,6 @@ def write_plots(
         ACCURACY_PLOT: accuracy_vs_time_figure(rows, records),
         LADDER_PLOT: ladder_figure(ladder_rows),
     }
-    made = []
-    for name, figure in figures.items():
-        path = _save(figure, out_dir / name)
-        if path is None:
-            (out_dir / name).unlink(missing_ok=True)
-        else:
-            made.append(path)
-    return made
+    return [
+        path for name, figure in figures.items() for path in save_or_remove(figure, out_dir / name)
+    ]
