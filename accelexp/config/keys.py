@@ -70,3 +70,15 @@ def help_of(declared: dataclasses.Field) -> str:
 def affects(declared: dataclasses.Field) -> Affects | None:
     """What a schema field says it affects; None: what its section or group affects."""
     return declared.metadata.get(AFFECTS)
+
+
+def helps(schema: type, prefix: str = "") -> dict[str, str]:
+    """Every key of `schema` with its help, a section's keys dotted: {"seed": "...",
+    "mlflow.tracking_uri": "...", ...}."""
+    found = {}
+    for declared in dataclasses.fields(schema):
+        found[prefix + declared.name] = help_of(declared)
+        section = declared.default_factory
+        if isinstance(section, type) and dataclasses.is_dataclass(section):
+            found |= helps(section, f"{prefix}{declared.name}.")
+    return found
