@@ -123,27 +123,21 @@ def _described(label: str, values: Mapping[str, Any], key_helps: Mapping[str, st
     return lines
 
 
-def _filled(text: str, first: str, indent: int) -> list[str]:
-    return textwrap.wrap(
-        text,
-        WIDTH,
-        initial_indent=first,
-        subsequent_indent=" " * indent,
-        break_long_words=False,
-        break_on_hyphens=False,
-    )
-
-
 def _wrapped(label: str, words: list[str], indent: int = 2) -> list[str]:
     """`label` then `words` filled to WIDTH columns, continuation lines under the first word."""
     prefix = " " * indent + (f"{label}  " if label else "")
     if not words:  # an option without keys of its own (precision=fp32): its label alone
         return [prefix.rstrip()]
+    return _filled(" ".join(words), prefix, len(prefix))
+
+
+def _filled(text: str, first: str, indent: int) -> list[str]:
+    """`first`, then `text` filled to WIDTH columns, continuation lines `indent` deep."""
     return textwrap.wrap(
-        " ".join(words),
+        text,
         WIDTH,
-        initial_indent=prefix,
-        subsequent_indent=" " * len(prefix),
+        initial_indent=first,
+        subsequent_indent=" " * indent,
         break_long_words=False,
         break_on_hyphens=False,
     )

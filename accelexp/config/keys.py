@@ -78,7 +78,7 @@ def helps(schema: type, prefix: str = "") -> dict[str, str]:
     found = {}
     for declared in dataclasses.fields(schema):
         found[prefix + declared.name] = help_of(declared)
-        section = declared.default_factory
-        if isinstance(section, type) and dataclasses.is_dataclass(section):
-            found |= helps(section, f"{prefix}{declared.name}.")
+        keys = declared.default_factory  # a section's: `mlflow`...
+        if isinstance(keys, type) and dataclasses.is_dataclass(keys):
+            found |= helps(keys, f"{prefix}{declared.name}.")
     return found
