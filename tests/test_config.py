@@ -15,7 +15,7 @@ from accelexp.checkpoint import check_same_training
 from accelexp.config import ConfigError, register_configs, validate
 from accelexp.config.catalog import primary_groups
 from accelexp.config.identity import config_hash, config_id
-from accelexp.config.keys import Affects, affects, help_of
+from accelexp.config.keys import Affects, affects, choices_of, help_of
 from accelexp.config.schema import SCHEMAS, Config
 from accelexp.report.compare import comparable_settings
 from accelexp.tracking.query import RunRecord
@@ -190,6 +190,8 @@ def test_every_key_says_what_it_does_and_what_it_affects(schema):
         text = help_of(declared)
         assert text and "\n" not in text and "=" not in text, f"{schema.__name__}.{declared.name}"
         assert affects(declared) in (None, *Affects), f"{schema.__name__}.{declared.name}"
+        choices = choices_of(declared)
+        assert not choices or declared.default in choices, f"{schema.__name__}.{declared.name}"
 
 
 def resolved(cfg: DictConfig) -> dict:

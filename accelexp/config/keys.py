@@ -27,12 +27,16 @@ class Affects(Enum):
 
 HELP = "help"
 AFFECTS = "affects"
+CHOICES = "choices"
 
 
-def key(default: Any, help: str, affects: Affects | None = None) -> Any:
+def key(
+    default: Any, help: str, affects: Affects | None = None, choices: tuple[str, ...] = ()
+) -> Any:
     """A config key: its default (a list or dict is copied for each config), help and kind
-    (None: what its section or config group affects; at the top level, results and speed)."""
-    metadata = {HELP: help, AFFECTS: affects}
+    (None: what its section or config group affects; at the top level, results and speed), and
+    for a string of a fixed set its `choices` (`accelexp.config.validate` refuses the others)."""
+    metadata = {HELP: help, AFFECTS: affects, CHOICES: choices}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -59,7 +63,8 @@ def like(schema: type, name: str, default: Any = dataclasses.MISSING) -> Any:
             if declared.default_factory is dataclasses.MISSING
             else declared.default_factory()
         )
-    return key(default, declared.metadata[HELP], declared.metadata[AFFECTS])
+    metadata = declared.metadata
+    return key(default, metadata[HELP], metadata[AFFECTS], metadata[CHOICES])
 
 
 def help_of(declared: dataclasses.Field) -> str:
@@ -72,12 +77,20 @@ def affects(declared: dataclasses.Field) -> Affects | None:
     return declared.metadata.get(AFFECTS)
 
 
+def choices_of(declared: dataclasses.Field) -> tuple[str, ...]:
+    """The values a schema field allows, () where any value of its type is allowed."""
+    return declared.metadata.get(CHOICES, ())
+
+
 def helps(schema: type, prefix: str = "") -> dict[str, str]:
-    """Every key of `schema` with its help, a section's keys dotted: {"seed": "...",
-    "mlflow.tracking_uri": "...", ...}."""
+    """Every key of `schema` with its help and choices, a section's keys dotted:
+    {"device": "what to compute on: auto, cpu, cuda", "mlflow.tracking_uri": "...", ...}."""
     found = {}
     for declared in dataclasses.fields(schema):
-        found[prefix + declared.name] = help_of(declared)
+        choices = choices_of(declared)
+        found[prefix + declared.name] = help_of(declared) + (
+            f": {', '.join(choices)}" if choices else ""
+        )
         keys = declared.default_factory  # a section's: `mlflow`...
         if isinstance(keys, type) and dataclasses.is_dataclass(keys):
             found |= helps(keys, f"{prefix}{declared.name}.")

@@ -136,7 +136,9 @@ class ParallelismConfig:
 
     name: str = option_name("single")
     nprocs: int = key(1, "worker processes (one per GPU)")
-    lr_scaling: str = key("linear", "lr scaling with the world size: linear, sqrt, none")
+    lr_scaling: str = key(
+        "linear", "lr scaling with the world size", choices=("linear", "sqrt", "none")
+    )
     accumulate_steps: int = key(1, "micro-batches per optimizer step")
     oversubscribe: bool = key(False, "more CPU workers than usable cores (else refused)")
 
@@ -154,12 +156,14 @@ class DDPConfig(ParallelismConfig):
     """torch DistributedDataParallel: one process per device, gradients allreduced in buckets."""
 
     name: str = option_name("ddp")
-    backend: str = key("auto", "auto (nccl on CUDA, gloo on CPU), nccl, gloo")
+    backend: str = key(
+        "auto", "process group (auto: nccl on CUDA)", choices=("auto", "nccl", "gloo")
+    )
     sync_batchnorm: bool = key(False, "batch-norm statistics over all workers")
     bucket_cap_mb: float = key(25.0, "MB of gradients allreduced together")
     static_graph: bool = key(False, "same parameters used every step (DDP optimizes)")
     find_unused_parameters: bool = key(False, "look for parameters a step did not use")
-    comm_hook: str = key("none", "allreduce compression: none, fp16, bf16")
+    comm_hook: str = key("none", "allreduce compression", choices=("none", "fp16", "bf16"))
     master_port: int | None = key(None, "workers' rendezvous port; null: a free one")
     max_restarts: int = key(0, "torchrun restarts after a failure (workers resume)")
 
@@ -184,8 +188,8 @@ class HorovodConfig(ParallelismConfig):
     """Horovod: one process per device, gradients allreduced by horovodrun's workers."""
 
     name: str = option_name("horovod")
-    compression: str = key("none", "allreduce compression: none, fp16")
-    op: str = key("average", "how gradients are combined: average, adasum")
+    compression: str = key("none", "allreduce compression", choices=("none", "fp16"))
+    op: str = key("average", "how gradients are combined", choices=("average", "adasum"))
 
 
 @dataclass
@@ -194,7 +198,7 @@ class PipelineFields:
 
     stages: int | None = key(2, "pipeline stages the layers are cut into")
     chunks: int = key(1, "micro-batches per batch (GPipe); 1: no pipelining")
-    balance: str = key("params", "stage balance: params, compute (measured time)")
+    balance: str = key("params", "stages balanced by", choices=("params", "compute"))
     split_points: list[int] | None = key(None, "layers starting stages 1, 2...; null: balanced")
 
 
@@ -227,8 +231,12 @@ class SpeedConfig:
     channels_last: Any = key("auto", "NHWC memory layout; auto: on with CUDA for a conv model")
     cudnn_benchmark: bool = key(True, "autotune conv algorithms for the run's fixed shapes")
     tf32: bool = key(False, "TF32 matmuls and convolutions (Ampere+); false: IEEE fp32")
-    compile: str = key("off", "torch.compile: off, default, reduce-overhead, max-autotune")
-    optimizer_impl: str = key("auto", "optimizer kernels: auto, for_loop, foreach, fused")
+    compile: str = key(
+        "off", "torch.compile mode", choices=("off", "default", "reduce-overhead", "max-autotune")
+    )
+    optimizer_impl: str = key(
+        "auto", "optimizer kernels", choices=("auto", "for_loop", "foreach", "fused")
+    )
 
 
 # --- optimizer -----------------------------------------------------------------------------
@@ -363,7 +371,10 @@ class Config:
         1, "each configuration of a sweep runs this many times, round-robin", NOTHING
     )
     repeat_seed: str = key(
-        "same", "same: repeats show speed noise alone; vary: seed + i per repeat", NOTHING
+        "same",
+        "repeats' seeds (same: speed noise alone; vary: seed + i)",
+        NOTHING,
+        ("same", "vary"),
     )
     repeat_index: int = key(0, "which repeat this job is (set by the sweeper)", RESULTS)
     epochs: int = key(5, "epochs to train")
@@ -371,7 +382,7 @@ class Config:
     target_accuracy: float | None = key(
         None, "log time_to_target_s when val_acc first reaches it; null: off", RESULTS
     )
-    device: str = key("auto", "auto, cpu or cuda", RESULTS)
+    device: str = key("auto", "what to compute on", RESULTS, ("auto", "cpu", "cuda"))
     threads: int | None = key(None, "torch intra-op threads; null: torch's default", SPEED)
     deterministic: bool = key(
         False, "deterministic algorithms; also turns cuDNN autotuning and TF32 off"
