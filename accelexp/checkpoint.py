@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from accelexp import signals
+from accelexp.config.identity import training_config
 from accelexp.errors import AccelexpError, ConfigError
-from accelexp.record import training_config
 
 LAST, BEST = "last.pt", "best.pt"
 # restarts of one job: torchrun's restarts of its workers, Slurm's requeues of a job

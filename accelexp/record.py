@@ -2,10 +2,8 @@
 
 Writers (`train`, `diagnosis`, `parallel`, `timing`, `tracking.runs`) and readers (`report`,
 `tracking.query`) import the names from here. The values are MLflow's keys: changing one splits
-old runs from new ones. Also here, once: which config keys do not change what a run computes (the
-training identity: `training_config`, `config_hash`, `config_id`; a checkpoint resumes only its
-own training) and which cannot change its speed either (what the report's like-for-like
-comparisons ignore, `ignored_for_speed`).
+old runs from new ones. Which config keys a run's identity leaves out (`config_hash`, the report's
+like-for-like comparisons) follows from the schema: `accelexp.config.identity`.
 
 Imports nothing of accelexp and nothing heavy (no torch, no mlflow): the config and the report
 read it cheaply.
@@ -13,11 +11,7 @@ read it cheaply.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
-from collections.abc import Mapping
-from typing import Any
 
 # --- metrics of every epoch (step = the epoch) -----------------------------------------------
 TRAIN_LOSS = "train_loss"
@@ -99,6 +93,8 @@ HTA_LAUNCH_DELAY_OUTLIERS_PCT = "hta/launch_delay_outliers_pct"
 TORCH_VERSION = "torch_version"
 NUM_PARAMS = "num_params"  # the model's
 TRAIN_SAMPLES = "train_samples"
+# facts that follow from the model and data config (which the report compares): not compared
+DERIVED_PARAMS = frozenset({NUM_PARAMS, TRAIN_SAMPLES})
 DATA_PLACEMENT = "data_placement"  # where batches are made (also a tag)
 # the world's shape (Strategy.describe)
 WORLD_SIZE = "world_size"  # processes (also a tag)
@@ -158,73 +154,3 @@ NOISE_QUIET = "quiet"
 NOISE_EVIDENCE = "noise_evidence"
 HTA = "hta"  # whether Holistic Trace Analysis ran on the profiled epoch, or why not
 # MAX_BATCH (above) is also a tag
-
-# --- which config keys do not change what a run computes -------------------------------------
-# How a run is watched, not what it computes: a resumed run may differ in them, and neither
-# config_hash nor config_id sees them. A group name stands for all its keys.
-NOT_TRAINING = frozenset(
-    {
-        "resume",
-        "repeats",  # how many repeats a sweep runs (each one's repeat_index and seed do count)
-        "repeat_seed",
-        "max_batch",  # a search after training: the training is the same with or without it
-        "progress",
-        "log_every_n_steps",
-        "threads",
-        "mlflow",
-        "debug",
-        "profile",
-        "profiler",
-    }
-)
-# of those, the ones that can change a run's speed: a like-for-like comparison keeps them
-# (`threads`: left unset, the launcher gives each of N workers 1/N of the cores)
-NOT_TRAINING_BUT_TIMED = frozenset({"threads", "debug", "profile", "profiler"})
-# what changes a run's numbers or names its inputs, never its speed: the seed (same speed, other
-# numbers), the target it is timed to, evaluation-only sizes, where data is read from, the device
-# asked for (`auto`: the device used is compared, as `device_type` and the tag `device`), which
-# repeat it is, and facts that follow from the model and data config (which is compared)
-NOT_SPEED = frozenset(
-    {
-        "seed",
-        "target_accuracy",
-        "data.root",
-        "data.download",
-        "data.eval_batch_size",
-        "data.num_test",
-        "device",
-        REPEAT_INDEX,
-        NUM_PARAMS,
-        TRAIN_SAMPLES,
-    }
-)
-IGNORED_FOR_SPEED = (NOT_TRAINING - NOT_TRAINING_BUT_TIMED) | NOT_SPEED
-
-
-def ignored_for_speed(key: str) -> bool:
-    """A param (a flattened config key, `mlflow.tracking_uri`) that cannot change a run's speed."""
-    return key in IGNORED_FOR_SPEED or key.partition(".")[0] in IGNORED_FOR_SPEED
-
-
-def training_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The keys of a resolved config that decide what a run computes (all but `NOT_TRAINING`)."""
-    return {k: v for k, v in config.items() if k not in NOT_TRAINING}
-
-
-def config_hash(resolved: Mapping[str, Any]) -> str:
-    """Identifies the training a config describes (`resume=auto` looks runs up by it)."""
-    return _digest(training_config(resolved))
-
-
-def config_id(resolved: Mapping[str, Any]) -> str:
-    """Identifies a configuration across its repeats: the training it describes less its seed
-    and repeat index, with the user's own tags (`mlflow.tags`: an A/A test's two sides, say).
-    The report groups a sweep's runs of one `config_id` into one row."""
-    training = training_config(resolved)
-    training = {k: v for k, v in training.items() if k not in ("seed", REPEAT_INDEX)}
-    return _digest({"training": training, "tags": resolved.get("mlflow", {}).get("tags") or {}})
-
-
-def _digest(identity: Mapping[str, Any]) -> str:
-    text = json.dumps(identity, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from accelexp import checkpoint, outcome, record
 from accelexp.config import ConfigError, validate
 from accelexp.config.catalog import flatten
+from accelexp.config.identity import config_hash, config_id
 from accelexp.data import SOURCES, BatchLoader, DataBundle, build_data, resolve_on_device
 from accelexp.data.sources import SYNTHETIC_SEED
 from accelexp.diagnosis import flops
@@ -255,8 +256,8 @@ def _run(
             record.DATA_PLACEMENT: placement,
             record.DEVICE: device_label(strategy),
             record.HOST: platform.node(),
-            record.CONFIG_HASH: record.config_hash(resolved),
-            record.CONFIG_ID: record.config_id(resolved),
+            record.CONFIG_HASH: config_hash(resolved),
+            record.CONFIG_ID: config_id(resolved),
             record.OUTPUT_DIR: str(output_dir.resolve()),
         }
         tracker.start(name, params, tags)
@@ -307,7 +308,7 @@ def _state_to_resume(
             cfg.resume,
             output_dir,
             tracker.run_folder,
-            lambda: tracker.unfinished_run_folders(record.config_hash(resolved)),
+            lambda: tracker.unfinished_run_folders(config_hash(resolved)),
         )
     if resume_from is not None:
         state = checkpoint.load(resume_from)

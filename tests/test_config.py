@@ -9,18 +9,16 @@ import pytest
 from conftest import CONF_DIR, REPO, group_options
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
+from accelexp.checkpoint import check_same_training
 from accelexp.config import ConfigError, register_configs, validate
-from accelexp.config.catalog import options_declaring, primary_groups
-from accelexp.config.schema import Config
-from accelexp.record import (
-    NOT_SPEED,
-    NOT_TRAINING,
-    NOT_TRAINING_BUT_TIMED,
-    NUM_PARAMS,
-    TRAIN_SAMPLES,
-)
+from accelexp.config.catalog import primary_groups
+from accelexp.config.identity import config_hash, config_id
+from accelexp.config.keys import Affects, affects, choices_of, help_of
+from accelexp.config.schema import SCHEMAS, Config
+from accelexp.report.compare import comparable_settings
+from accelexp.tracking.query import RunRecord
 
 
 def documented_options() -> dict[str, tuple[list[str], str | None]]:
@@ -178,10 +176,57 @@ def test_a_tag_added_with_plus_is_kept(compose_cfg):
     assert compose_cfg("+mlflow.tags.study=x").mlflow.tags == {"study": "x"}
 
 
-def test_the_keys_the_run_record_sets_apart_are_config_keys():
-    """A misspelt key in `accelexp.record` would silently count as training, or as speed."""
-    top = {field.name for field in dataclasses.fields(Config)}
-    config_keys = NOT_TRAINING | NOT_TRAINING_BUT_TIMED | (NOT_SPEED - {NUM_PARAMS, TRAIN_SAMPLES})
-    for key in config_keys:
-        group, _, name = key.partition(".")
-        assert options_declaring(group, name) if name else key in top, key
+def schemas() -> list[type]:
+    """Every dataclass of the schema: the top level, its sections, every option's."""
+    top = dataclasses.fields(Config)
+    sections = [f.default_factory for f in top if dataclasses.is_dataclass(f.default_factory)]
+    return [Config, *sections, *(schema for group in SCHEMAS.values() for schema in group.values())]
+
+
+@pytest.mark.parametrize("schema", schemas(), ids=lambda schema: schema.__name__)
+def test_every_key_says_what_it_does_and_what_it_affects(schema):
+    """`--help` shows the help beside KEY=VALUE: one line, never read as a setting (no `=`)."""
+    for declared in dataclasses.fields(schema):
+        text = help_of(declared)
+        assert text and "\n" not in text and "=" not in text, f"{schema.__name__}.{declared.name}"
+        assert affects(declared) in (None, *Affects), f"{schema.__name__}.{declared.name}"
+        choices = choices_of(declared)
+        assert not choices or declared.default in choices, f"{schema.__name__}.{declared.name}"
+
+
+def resolved(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_a_resumed_run_may_differ_in_what_cannot_change_its_numbers(compose_cfg, tmp_path):
+    """`resume=auto` finds a run by its config_hash, and a checkpoint resumes only its own
+    training: keys that affect nothing or speed only may change between the two; a key that
+    affects results may not. The report's row (config_id) is one across seeds."""
+    base = resolved(compose_cfg())
+    watched = resolved(
+        compose_cfg("resume=auto", "repeats=3", "progress=true", "mlflow.experiment=other")
+    ) | {"threads": 2, "profile": True}  # speed only
+    assert config_hash(watched) == config_hash(base)
+    assert config_id(watched) == config_id(base)
+    check_same_training(base, watched, tmp_path / "last.pt")
+    for changed in ("seed=7", "data.num_test=64", "data.batch_size=4", "speed.tf32=true"):
+        other = resolved(compose_cfg(changed))
+        assert config_hash(other) != config_hash(base), changed
+        with pytest.raises(ConfigError, match="another configuration"):
+            check_same_training(base, other, tmp_path / "last.pt")
+    assert config_id(resolved(compose_cfg("seed=7"))) == config_id(base)
+
+
+def test_the_report_compares_runs_in_what_can_change_their_speed_only():
+    """Like for like: a key that affects results only (or nothing) is not compared; one that
+    affects speed only is, as is one that affects both."""
+
+    def settings(**params: str) -> dict[str, str]:
+        return comparable_settings(RunRecord("id", "run", "FINISHED", params=params))
+
+    base = {"data.batch_size": "128", "threads": "1", "profile": "False", "profiler.epoch": "1"}
+    ignored = {"seed": "7", "data.root": "/x", "data.eval_batch_size": "64", "device": "cpu"}
+    ignored |= {"mlflow.experiment": "e", "resume": "auto", "repeats": "3", "num_params": "9"}
+    assert settings(**base, **ignored) == settings(**base)
+    for key, value in {"threads": "2", "profiler.epoch": "2", "data.batch_size": "64"}.items():
+        assert settings(**(base | {key: value})) != settings(**base), key

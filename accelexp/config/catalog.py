@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from accelexp.config.keys import helps
 from accelexp.config.schema import SCHEMAS
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -38,6 +39,7 @@ class Option:
     keys: dict[str, Any]  # flat, in schema order: {"batch_size": 128, ...}; add-ons: dotted keys
     picks: dict[str, str] = field(default_factory=dict)  # add-ons: {"model": "simple_cnn"}
     sweeps: dict[str, str] = field(default_factory=dict)  # {"precision": "fp32,amp,bf16"}
+    helps: dict[str, str] = field(default_factory=dict)  # its schema's: {"batch_size": "..."}
 
 
 def primary_groups(conf_dir: Path = CONF_DIR) -> list[str]:
@@ -86,7 +88,8 @@ def _read_option(path: Path, conf_dir: Path) -> Option:
     params = "hydra.sweeper.params."  # a study's sweep: {"hydra.sweeper.params.precision": ...}
     sweeps = {k.removeprefix(params): v for k, v in flat.items() if k.startswith(params)}
     keys = {k: v for k, v in flat.items() if not k.startswith(params)}
-    return Option(group, path.stem, _summary(path), keys, picks, sweeps)
+    key_helps = helps(schema) if schema is not None else {}
+    return Option(group, path.stem, _summary(path), keys, picks, sweeps, key_helps)
 
 
 def flatten(values: Mapping[str, Any], prefix: str = "", empty: bool = True) -> dict[str, Any]:

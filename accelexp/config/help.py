@@ -4,7 +4,8 @@
 Hydra resolves it when it prints the help, with the config this command line composes: the text
 is built from the config files (`catalog`) and that config, never written by hand, so it lists
 every option there is, and this command line's choices (marked `*`) with the values it would run
-with. Test hooks (`debug.*`) are left out.
+with and each key's help (the schema's, `accelexp.config.keys`), as are the top-level keys. Test
+hooks (`debug.*`) are left out.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from accelexp.config.catalog import HIDDEN_KEYS, Option, flatten, options, primary_groups
+from accelexp.config.keys import helps
+from accelexp.config.schema import Config
 
 WIDTH = 100
+ALIGNED = 24  # a longer KEY=VALUE has its help two spaces after it, out of the helps' column
 RESOLVER = "accelexp_help"
 
 
@@ -38,7 +42,7 @@ def render(root: DictConfig) -> str:
     lines = [
         "Config groups: pick an option with GROUP=OPTION and change its keys with GROUP.KEY=VALUE.",
         "Each option is listed with its keys and defaults; * marks this command line's choice,",
-        "shown with the values it would run with.",
+        "shown with the values it would run with and what each key does.",
     ]
     by_group: dict[str, list[Option]] = {}
     for option in options():
@@ -54,10 +58,12 @@ def render(root: DictConfig) -> str:
             if add_on:
                 lines += _add_on_lines(option, label)
                 continue
-            keys = option.keys
             if chosen and group in primary:  # as this command line composes it
                 keys = flatten(OmegaConf.to_container(root[group], resolve=False))
-            lines += _wrapped(label, _pairs({k: v for k, v in keys.items() if k != "name"}))
+                keys.pop("name")
+                lines += _described(label, keys, option.helps)
+                continue
+            lines += _wrapped(label, _pairs({k: v for k, v in option.keys.items() if k != "name"}))
     lines += ["", "Top-level keys (KEY=VALUE; a section's keys: SECTION.KEY=VALUE):"]
     lines += _top_level_lines(root, set(primary))
     return "\n".join(lines)
@@ -88,14 +94,32 @@ def _add_on_lines(option: Option, label: str) -> list[str]:
 
 
 def _top_level_lines(root: DictConfig, groups: set[str]) -> list[str]:
-    """`seed=42 epochs=5 ...`, then a line per section: `mlflow.  tracking_uri=... ...`."""
+    """`seed=42  help` a line, then each section's keys: `mlflow.  tracking_uri=...  help`."""
     values = OmegaConf.to_container(root, resolve=False)
     shown = {k: v for k, v in values.items() if k not in groups | HIDDEN_KEYS | {"hydra"}}
     sections = {k: v for k, v in shown.items() if isinstance(v, dict)}
-    lines = _wrapped("", _pairs({k: v for k, v in shown.items() if k not in sections}))
+    key_helps = helps(Config)
+    lines = _described("", {k: v for k, v in shown.items() if k not in sections}, key_helps)
     width = max(map(len, sections), default=0) + 1
     for section, section_values in sections.items():
-        lines += _wrapped(f"{section}.".ljust(width), _pairs(flatten(section_values)))
+        section_helps = {k.removeprefix(f"{section}."): h for k, h in key_helps.items()}
+        lines += _described(f"{section}.".ljust(width), flatten(section_values), section_helps)
+    return lines
+
+
+def _described(label: str, values: Mapping[str, Any], key_helps: Mapping[str, str]) -> list[str]:
+    """`label` then one `key=value  help` a line, the helps in one column (wrapped in it)."""
+    prefix = "  " + (f"{label}  " if label else "")
+    if not values:  # an option without keys of its own (precision=fp32): its label alone
+        return [prefix.rstrip()]
+    pairs = dict(zip(values, _pairs(values), strict=True))
+    column = len(prefix) + min(ALIGNED, max(map(len, pairs.values()))) + 2
+    lines = []
+    for key, pair in pairs.items():
+        lead = (prefix if not lines else " " * len(prefix)) + pair
+        first = lead.ljust(column) if len(lead) + 2 <= column else f"{lead}  "
+        text = key_helps.get(key, "")
+        lines += _filled(text, first, len(first)) if text else [lead]
     return lines
 
 
@@ -104,11 +128,16 @@ def _wrapped(label: str, words: list[str], indent: int = 2) -> list[str]:
     prefix = " " * indent + (f"{label}  " if label else "")
     if not words:  # an option without keys of its own (precision=fp32): its label alone
         return [prefix.rstrip()]
+    return _filled(" ".join(words), prefix, len(prefix))
+
+
+def _filled(text: str, first: str, indent: int) -> list[str]:
+    """`first`, then `text` filled to WIDTH columns, continuation lines `indent` deep."""
     return textwrap.wrap(
-        " ".join(words),
+        text,
         WIDTH,
-        initial_indent=prefix,
-        subsequent_indent=" " * len(prefix),
+        initial_indent=first,
+        subsequent_indent=" " * indent,
         break_long_words=False,
         break_on_hyphens=False,
     )

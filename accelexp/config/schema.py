@@ -1,19 +1,25 @@
-"""Structured-config schema: every key of every config group, with its type and default.
+"""Structured-config schema: every key of every config group, with its type, default, help and
+what it affects (`accelexp.config.keys`).
 
 Each YAML option in `conf/<group>/` names its schema in its defaults list
 (`- /schema/<group>/<name>@_here_`), so Hydra rejects unknown keys and wrong types while
-composing, before any code of ours runs. Range checks live in `accelexp.config.validate`.
+composing, before any code of ours runs (`accelexp.config.store` registers the schemas). Range
+checks live in `accelexp.config.validate`; `--help` shows each key's help, and which keys a run's
+identity leaves out follows from what they affect (`accelexp.config.identity`).
+
+Imports nothing of accelexp but the key declarations, nor Hydra or torch: the report reads it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from accelexp.parallel import STRATEGIES
+from accelexp.config.keys import Affects, key, like, option_name, section
+
+RESULTS, SPEED, NOTHING = Affects.RESULTS, Affects.SPEED, Affects.NOTHING
 
 # --- model ---------------------------------------------------------------------------------
 
@@ -22,50 +28,51 @@ from accelexp.parallel import STRATEGIES
 class SimpleCNNConfig:
     """Two conv+pool blocks then fully connected layers (Horovod's CIFAR-10 example shape)."""
 
-    name: str = "simple_cnn"
-    channels: list[int] = field(default_factory=lambda: [32, 64])
-    hidden: int = 128
-    dropout: float = 0.25
+    name: str = option_name("simple_cnn")
+    channels: list[int] = key([32, 64], "output channels of the two conv+pool blocks")
+    hidden: int = key(128, "width of the fully connected hidden layer")
+    dropout: float = key(0.25, "dropout probability before the last layer")
 
 
 @dataclass
 class MLPConfig:
     """Fully connected layers of these widths on the flattened image."""
 
-    name: str = "mlp"
-    widths: list[int] = field(default_factory=lambda: [256, 128])
-    dropout: float = 0.1
+    name: str = option_name("mlp")
+    widths: list[int] = key([256, 128], "widths of the hidden layers, in order")
+    dropout: float = key(0.1, "dropout probability after each hidden layer")
 
 
 @dataclass
 class ResNetConfig:
     """A torchvision ResNet with its head resized to the data's classes."""
 
-    name: str = "resnet18"
-    pretrained: bool = False
-    # Replace the 7x7/2 stem and max-pool by a 3x3/1 conv for images smaller than this.
-    small_input_max_size: int = 64
+    name: str = option_name("resnet18")
+    pretrained: bool = key(False, "start from torchvision's ImageNet weights (downloaded once)")
+    small_input_max_size: int = key(
+        64, "images up to this size get a 3x3/1 conv stem instead of 7x7/2 and max-pool"
+    )
 
 
 @dataclass
 class ViTConfig:
     """A Vision Transformer: patches of `patch_size` px, `depth` pre-norm blocks of width `dim`."""
 
-    name: str = "vit_tiny"
-    patch_size: Any = "auto"  # auto (16 patches: 7 for 28 px, 8 for 32 px) | an integer
-    dim: int = 192
-    depth: int = 6
-    heads: int = 3  # must divide dim
-    mlp_ratio: float = 4.0
-    dropout: float = 0.0
+    name: str = option_name("vit_tiny")
+    patch_size: Any = key("auto", "patch side in px; auto: 16 patches (7 for 28 px, 8 for 32 px)")
+    dim: int = key(192, "embedding width of every block")
+    depth: int = key(6, "number of transformer blocks")
+    heads: int = key(3, "attention heads per block; must divide dim")
+    mlp_ratio: float = key(4.0, "hidden width of each block's MLP, as a multiple of dim")
+    dropout: float = key(0.0, "dropout probability in the blocks and on the embeddings")
 
 
 @dataclass
 class TorchvisionViTConfig:
     """torchvision's ViT-B/16 resized to the data (channels, image size, classes)."""
 
-    name: str = "vit_b_16"
-    pretrained: bool = False
+    name: str = option_name("vit_b_16")
+    pretrained: bool = like(ResNetConfig, "pretrained")
 
 
 # --- data ----------------------------------------------------------------------------------
@@ -75,35 +82,33 @@ class TorchvisionViTConfig:
 class DataConfig:
     """Keys every data option has: how the set is batched, split and held."""
 
-    name: str = "fashion_mnist"
-    batch_size: int = 128
-    eval_batch_size: int = 512
-    num_workers: int = 0
-    # auto | true | false: hold the whole uint8 set on the device and gather batches there
-    # (auto: on a GPU when it fits comfortably; on a CPU the set already is where compute is)
-    on_device: Any = "auto"
-    augment: bool = True
-    val_fraction: float = 0.1
+    name: str = option_name("fashion_mnist")
+    batch_size: int = key(128, "training samples per step on each worker")
+    eval_batch_size: int = key(512, "samples per step when evaluating (no gradients)", RESULTS)
+    num_workers: int = key(0, "DataLoader processes gathering batches on the host")
+    on_device: Any = key("auto", "hold the set on the device; auto: on a GPU if it fits")
+    augment: bool = key(True, "random crops and flips of the training images")
+    val_fraction: float = key(0.1, "share of the training set held out for validation")
 
 
 @dataclass
 class StoredDataConfig(DataConfig):
     """A real dataset read from its files (fashion_mnist, cifar10): its shape is the files'."""
 
-    root: str | None = None
-    download: bool = True
+    root: str | None = key(None, "the dataset's folder; null: the default places", RESULTS)
+    download: bool = key(True, "download the files when they are missing", RESULTS)
 
 
 @dataclass
 class SyntheticDataConfig(DataConfig):
     """A set generated in memory: the sizes of its splits and the image shape are chosen here."""
 
-    name: str = "synthetic"
-    num_train: int = 8192
-    num_test: int = 2048
-    image_size: int = 32
-    channels: int = 3
-    num_classes: int = 10
+    name: str = option_name("synthetic")
+    num_train: int = key(8192, "training samples (validation included)")
+    num_test: int = key(2048, "test samples", RESULTS)
+    image_size: int = key(32, "image height and width in px")
+    channels: int = key(3, "image channels")
+    num_classes: int = key(10, "number of classes")
 
 
 # --- precision / parallelism --------------------------------------------------------------
@@ -111,103 +116,109 @@ class SyntheticDataConfig(DataConfig):
 
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"  # fp32 | amp | bf16
+    """fp32, amp or bf16: the dtype of the forward and backward passes."""
+
+    name: str = option_name("fp32")
 
 
 @dataclass
 class AmpConfig(PrecisionConfig):
     """fp16 autocast with a GradScaler on CUDA (a CPU runs bf16 autocast, without a scaler)."""
 
-    name: str = "amp"
-    init_scale: float = 65536.0  # the GradScaler's first loss scale
-    growth_interval: int = 2000  # steps without an inf before the scale doubles
+    name: str = option_name("amp")
+    init_scale: float = key(65536.0, "the GradScaler's first loss scale")
+    growth_interval: int = key(2000, "steps without an inf before the loss scale doubles")
 
 
 @dataclass
 class ParallelismConfig:
     """Keys every strategy has; `nprocs` is the number of worker processes (one per GPU)."""
 
-    name: str = "single"
-    nprocs: int = 1
-    # lr multiplier with the world size (and accumulation): linear (Horovod's rule), sqrt, none
-    lr_scaling: str = "linear"
-    # micro-batches per optimizer step (DDP: no_sync between; Horovod: backward_passes_per_step)
-    accumulate_steps: int = 1
-    # true: start more CPU workers (and threads, loader processes) than this machine's usable
-    # cores; refused otherwise, since they would only share the cores and run slower
-    oversubscribe: bool = False
+    name: str = option_name("single")
+    nprocs: int = key(1, "worker processes (one per GPU)")
+    lr_scaling: str = key(
+        "linear", "lr scaling with the world size", choices=("linear", "sqrt", "none")
+    )
+    accumulate_steps: int = key(1, "micro-batches per optimizer step")
+    oversubscribe: bool = key(False, "more CPU workers than usable cores (else refused)")
 
 
 @dataclass
 class DataParallelConfig(ParallelismConfig):
     """torch.nn.DataParallel: one process, `devices` GPUs (null: all visible)."""
 
-    name: str = "dp"
-    devices: list[int] | None = None
+    name: str = option_name("dp")
+    devices: list[int] | None = key(None, "GPU indices to use; null: all visible")
 
 
 @dataclass
 class DDPConfig(ParallelismConfig):
-    name: str = "ddp"
-    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
-    sync_batchnorm: bool = False
-    bucket_cap_mb: float = 25.0
-    static_graph: bool = False
-    find_unused_parameters: bool = False
-    comm_hook: str = "none"  # none | fp16 | bf16: gradient compression for the allreduce
-    master_port: int | None = None  # rendezvous port when accelexp starts the workers; None: free
-    max_restarts: int = 0  # torchrun restarts the workers this often after a failure; they resume
+    """torch DistributedDataParallel: one process per device, gradients allreduced in buckets."""
+
+    name: str = option_name("ddp")
+    backend: str = key(
+        "auto", "process group (auto: nccl on CUDA)", choices=("auto", "nccl", "gloo")
+    )
+    sync_batchnorm: bool = key(False, "batch-norm statistics over all workers")
+    bucket_cap_mb: float = key(25.0, "MB of gradients allreduced together")
+    static_graph: bool = key(False, "same parameters used every step (DDP optimizes)")
+    find_unused_parameters: bool = key(False, "look for parameters a step did not use")
+    comm_hook: str = key("none", "allreduce compression", choices=("none", "fp16", "bf16"))
+    master_port: int | None = key(None, "workers' rendezvous port; null: a free one")
+    max_restarts: int = key(0, "torchrun restarts after a failure (workers resume)")
 
 
 @dataclass
 class FSDPConfig(ParallelismConfig):
     """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over workers."""
 
-    name: str = "fsdp"
-    nprocs: int = 2
-    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
-    granularity: str = "block"  # block: one FSDP unit per block of the layer sequence | model
-    reshard_after_forward: bool = True  # free gathered parameters after each unit's forward
-    reduce_in_fp32: bool = True  # reduce-scatter gradients in fp32 under bf16/amp
-    cpu_offload: bool = False  # shards in host memory (CUDA only)
-    master_port: int | None = None  # rendezvous port when accelexp starts the workers; None: free
-    max_restarts: int = 0  # torchrun restarts the workers this often after a failure; they resume
+    name: str = option_name("fsdp")
+    nprocs: int = like(ParallelismConfig, "nprocs", 2)
+    backend: str = like(DDPConfig, "backend")
+    granularity: str = key("block", "FSDP units: block (one per block of layers), model")
+    reshard_after_forward: bool = key(True, "free gathered parameters after each forward")
+    reduce_in_fp32: bool = key(True, "reduce-scatter gradients in fp32 under bf16 or amp")
+    cpu_offload: bool = key(False, "keep the shards in host memory (CUDA only)")
+    master_port: int | None = like(DDPConfig, "master_port")
+    max_restarts: int = like(DDPConfig, "max_restarts")
 
 
 @dataclass
 class HorovodConfig(ParallelismConfig):
-    name: str = "horovod"
-    compression: str = "none"  # none | fp16
-    op: str = "average"  # average | adasum
+    """Horovod: one process per device, gradients allreduced by horovodrun's workers."""
+
+    name: str = option_name("horovod")
+    compression: str = key("none", "allreduce compression", choices=("none", "fp16"))
+    op: str = key("average", "how gradients are combined", choices=("average", "adasum"))
 
 
 @dataclass
 class PipelineFields:
     """How a model is cut into stages and fed with micro-batches (model and hybrid)."""
 
-    stages: int | None = 2
-    chunks: int = 1  # micro-batches per batch (GPipe); 1: plain sequential model parallelism
-    balance: str = "params"  # params | compute (measured forward time per layer)
-    split_points: list[int] | None = None  # layer indices starting stages 1..; None: balanced
+    stages: int | None = key(2, "pipeline stages the layers are cut into")
+    chunks: int = key(1, "micro-batches per batch (GPipe); 1: no pipelining")
+    balance: str = key("params", "stages balanced by", choices=("params", "compute"))
+    split_points: list[int] | None = key(None, "layers starting stages 1, 2...; null: balanced")
 
 
 @dataclass
 class ModelParallelConfig(PipelineFields, ParallelismConfig):
     """One process; stage k on devices[k % len(devices)] (None: one GPU each, or the CPU)."""
 
-    name: str = "model"
-    devices: list[str] | None = None
+    name: str = option_name("model")
+    devices: list[str] | None = key(None, "devices of the stages, in turn; null: a GPU each or CPU")
 
 
 @dataclass
 class HybridConfig(PipelineFields, HorovodConfig, DDPConfig):
     """`nprocs` replicas, each a model-parallel pipeline over `devices_per_replica` devices."""
 
-    name: str = "hybrid"
-    nprocs: int = 2
-    engine: str = "ddp"  # ddp | horovod: what keeps the replicas in sync
-    devices_per_replica: int = 2
-    stages: int | None = None  # None: one stage per device of the replica
+    name: str = option_name("hybrid")
+    nprocs: int = like(ParallelismConfig, "nprocs", 2)
+    engine: str = key("ddp", "what keeps the replicas in sync: ddp, horovod")
+    devices_per_replica: int = key(2, "devices each replica's pipeline spans")
+    stages: int | None = key(None, "pipeline stages per replica; null: one per device")
 
 
 # --- speed switches -----------------------------------------------------------------------
@@ -217,11 +228,15 @@ class HybridConfig(PipelineFields, HorovodConfig, DDPConfig):
 class SpeedConfig:
     """Switches that change how fast a run goes, never what it computes (beyond rounding)."""
 
-    channels_last: Any = "auto"  # auto (on with CUDA for a conv model) | true | false
-    cudnn_benchmark: bool = True  # autotune conv algorithms for the run's fixed shapes
-    tf32: bool = False  # TF32 for fp32 matmuls and convolutions (Ampere+); false: IEEE fp32
-    compile: str = "off"  # off | default | reduce-overhead (CUDA graphs) | max-autotune
-    optimizer_impl: str = "auto"  # auto (torch's choice) | for_loop | foreach | fused
+    channels_last: Any = key("auto", "NHWC memory layout; auto: on with CUDA for a conv model")
+    cudnn_benchmark: bool = key(True, "autotune conv algorithms for the run's fixed shapes")
+    tf32: bool = key(False, "TF32 matmuls and convolutions (Ampere+); false: IEEE fp32")
+    compile: str = key(
+        "off", "torch.compile mode", choices=("off", "default", "reduce-overhead", "max-autotune")
+    )
+    optimizer_impl: str = key(
+        "auto", "optimizer kernels", choices=("auto", "for_loop", "foreach", "fused")
+    )
 
 
 # --- optimizer -----------------------------------------------------------------------------
@@ -229,20 +244,24 @@ class SpeedConfig:
 
 @dataclass
 class SGDConfig:
-    name: str = "sgd"
-    lr: float = 0.1
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    nesterov: bool = False
+    """SGD with momentum (torch.optim.SGD)."""
+
+    name: str = option_name("sgd")
+    lr: float = key(0.1, "lr of one worker (scaled by parallelism.lr_scaling)")
+    momentum: float = key(0.9, "momentum factor")
+    weight_decay: float = key(5e-4, "L2 penalty")
+    nesterov: bool = key(False, "Nesterov momentum")
 
 
 @dataclass
 class AdamWConfig:
-    name: str = "adamw"
-    lr: float = 1e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    weight_decay: float = 0.01
+    """AdamW (torch.optim.AdamW): Adam with decoupled weight decay."""
+
+    name: str = option_name("adamw")
+    lr: float = like(SGDConfig, "lr", 1e-3)
+    betas: list[float] = key([0.9, 0.999], "decay rates of the gradient's running averages")
+    eps: float = key(1e-8, "added to the denominator for numerical stability")
+    weight_decay: float = key(0.01, "decoupled weight decay")
 
 
 # --- scheduler (stepped once per optimizer step; lengths are in epochs) --------------------
@@ -250,32 +269,38 @@ class AdamWConfig:
 
 @dataclass
 class SchedulerConfig:
-    name: str = "none"
-    warmup_epochs: float = 0.0
-    warmup_start_factor: float = 0.1
+    """A constant learning rate, after the warm-up."""
+
+    name: str = option_name("none")
+    warmup_epochs: float = key(0.0, "epochs of linear warm-up to the full lr")
+    warmup_start_factor: float = key(0.1, "the warm-up's first lr, as a fraction of the full lr")
 
 
 @dataclass
 class StepLRConfig(SchedulerConfig):
-    name: str = "steplr"
-    step_size: int = 30
-    gamma: float = 0.1
+    """The lr times `gamma` every `step_size` epochs."""
+
+    name: str = option_name("steplr")
+    step_size: int = key(30, "epochs between two decays")
+    gamma: float = key(0.1, "factor of each decay")
 
 
 @dataclass
 class CosineConfig(SchedulerConfig):
-    name: str = "cosine"
-    min_lr_factor: float = 0.0
+    """Cosine decay of the lr over the run."""
+
+    name: str = option_name("cosine")
+    min_lr_factor: float = key(0.0, "the final lr, as a fraction of the full lr")
 
 
 @dataclass
 class OneCycleConfig(SchedulerConfig):
     """torch's OneCycleLR; `warmup_epochs` sets its rising phase (pct_start) when > 0."""
 
-    name: str = "onecycle"
-    pct_start: float = 0.3
-    div_factor: float = 25.0
-    final_div_factor: float = 1e4
+    name: str = option_name("onecycle")
+    pct_start: float = key(0.3, "share of the run spent raising the lr")
+    div_factor: float = key(25.0, "the first lr is the maximum lr divided by this")
+    final_div_factor: float = key(1e4, "the last lr is the first lr divided by this")
 
 
 # --- top level ----------------------------------------------------------------------------
@@ -283,28 +308,31 @@ class OneCycleConfig(SchedulerConfig):
 
 @dataclass
 class MlflowConfig:
-    tracking_uri: str = "sqlite:///outputs/mlflow.db"
-    experiment: str = "accelexp"
-    run_name: str | None = None  # None: derived from the choices, e.g. simple_cnn-single-amp
-    # None: `mlartifacts/` beside a SQLite store; the server's default for a tracking server
-    artifact_location: str | None = None
-    log_checkpoint: bool = False
-    log_model: bool = False  # the best weights as an MLflow model (mlflow.pytorch): disk, time
-    log_system_metrics: bool = False
-    tags: dict[str, str] = field(default_factory=dict)  # extra tags for the run, e.g. a study's
+    """Where and how the run is recorded in MLflow."""
+
+    tracking_uri: str = key("sqlite:///outputs/mlflow.db", "MLflow store: a SQLite file or a URL")
+    experiment: str = key("accelexp", "MLflow experiment the run is recorded in")
+    run_name: str | None = key(None, "null: from the choices, e.g. simple_cnn-single-amp")
+    artifact_location: str | None = key(
+        None, "null: mlartifacts/ beside a SQLite store, else the server's"
+    )
+    log_checkpoint: bool = key(False, "log the checkpoints as artifacts")
+    log_model: bool = key(False, "the best weights as an MLflow model (disk, time)")
+    log_system_metrics: bool = key(False, "MLflow's CPU, GPU and memory metrics while running")
+    tags: dict[str, str] = key({}, "extra tags for the run, e.g. a study's")
 
 
 @dataclass
 class ProfilerConfig:
     """`profile=true`: torch.profiler on every rank for a few steps of one epoch."""
 
-    epoch: int = 1  # the epoch profiled (its steps are numbered from 1)
-    wait: int = 1  # steps skipped first
-    warmup: int = 1  # steps traced but discarded (the profiler's own start-up)
-    active: int = 3  # steps recorded into the trace
-    record_shapes: bool = False
-    profile_memory: bool = False
-    with_stack: bool = False
+    epoch: int = key(1, "the epoch profiled (its steps are numbered from 1)")
+    wait: int = key(1, "steps skipped first")
+    warmup: int = key(1, "steps traced but discarded (the profiler's own start-up)")
+    active: int = key(3, "steps recorded into the trace")
+    record_shapes: bool = key(False, "record the input shapes of each operator")
+    profile_memory: bool = key(False, "record tensor allocations and frees")
+    with_stack: bool = key(False, "record the Python stack of each operator")
 
 
 @dataclass
@@ -312,47 +340,64 @@ class MaxBatchConfig:
     """`search=true`: after training, on a CUDA GPU, double the per-worker batch from
     data.batch_size until a training step runs out of memory (accelexp.diagnosis.max_batch)."""
 
-    search: bool = False
-    limit: int = 65536  # the largest per-worker batch tried
+    search: bool = key(False, "after training, on CUDA: double the batch until out of memory")
+    limit: int = key(65536, "the largest per-worker batch tried")
 
 
 @dataclass
 class DebugConfig:
-    raise_on_rank: int | None = None
-    raise_at_step: int = 1
-    input_delay_ms: float = 0.0  # each training batch arrives this much later (a slow pipeline)
-    raise_oom_at_step: int | None = None  # a real torch.OutOfMemoryError raised at this step
+    """Test hooks: a crashed worker, a slow input pipeline, an out-of-memory error, on purpose."""
+
+    raise_on_rank: int | None = key(None, "this rank raises an error at raise_at_step")
+    raise_at_step: int = key(1, "the step raise_on_rank raises at")
+    input_delay_ms: float = key(0.0, "each training batch arrives this much later")
+    raise_oom_at_step: int | None = key(None, "a real torch.OutOfMemoryError at this step")
 
 
 @dataclass
 class Config:
-    model: Any = MISSING
-    data: Any = MISSING
-    parallelism: Any = MISSING
-    precision: Any = MISSING
-    optimizer: Any = MISSING
-    scheduler: Any = MISSING
-    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
-    speed: SpeedConfig = field(default_factory=SpeedConfig)
-    seed: int = 42
-    # each configuration of a sweep run this many times, round-robin (accelexp.sweeper)
-    repeats: int = 1
-    repeat_seed: str = "same"  # same: speed noise alone | vary: seed + repeat_index (accuracy)
-    repeat_index: int = 0  # which repeat this job is (set by the sweeper)
-    epochs: int = 5
-    max_steps_per_epoch: int | None = None
-    target_accuracy: float | None = None
-    device: str = "auto"  # auto | cpu | cuda
-    threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    deterministic: bool = False
-    progress: bool = True
-    log_every_n_steps: int = 20
-    resume: str | None = None  # auto | <MLflow run id> | <run folder or last.pt>: continue a run
-    profile: bool = False  # torch.profiler traces of a few steps (see `profiler`), MLflow artifacts
-    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
-    max_batch: MaxBatchConfig = field(default_factory=MaxBatchConfig)  # the largest batch that fits
-    # test hooks: a crashed worker, a slow input pipeline, an out-of-memory error, on purpose
-    debug: DebugConfig = field(default_factory=DebugConfig)
+    """The whole config: one option of each config group, then the top-level keys."""
+
+    model: Any = key(MISSING, "the model (conf/model/)")
+    data: Any = key(MISSING, "the dataset and how it is batched (conf/data/)")
+    parallelism: Any = key(MISSING, "the strategy and its workers (conf/parallelism/)")
+    precision: Any = key(MISSING, "fp32, amp or bf16 (conf/precision/)")
+    optimizer: Any = key(MISSING, "the optimizer (conf/optimizer/)")
+    scheduler: Any = key(MISSING, "the lr schedule (conf/scheduler/)")
+    mlflow: MlflowConfig = section(MlflowConfig, "where the run is recorded", NOTHING)
+    speed: SpeedConfig = section(SpeedConfig, "switches that change how fast a run goes")
+    seed: int = key(42, "seed of the weights, the data's split and order, augmentation", RESULTS)
+    repeats: int = key(
+        1, "each configuration of a sweep runs this many times, round-robin", NOTHING
+    )
+    repeat_seed: str = key(
+        "same",
+        "repeats' seeds (same: speed noise alone; vary: seed + i)",
+        NOTHING,
+        ("same", "vary"),
+    )
+    repeat_index: int = key(0, "which repeat this job is (set by the sweeper)", RESULTS)
+    epochs: int = key(5, "epochs to train")
+    max_steps_per_epoch: int | None = key(None, "cut each epoch after this many steps")
+    target_accuracy: float | None = key(
+        None, "log time_to_target_s when val_acc first reaches it; null: off", RESULTS
+    )
+    device: str = key("auto", "what to compute on", RESULTS, ("auto", "cpu", "cuda"))
+    threads: int | None = key(None, "torch intra-op threads; null: torch's default", SPEED)
+    deterministic: bool = key(
+        False, "deterministic algorithms; also turns cuDNN autotuning and TF32 off"
+    )
+    progress: bool = key(True, "a progress bar per epoch", NOTHING)
+    log_every_n_steps: int = key(
+        20, "progress figures every this many steps (after 1, 2, 4...)", NOTHING
+    )
+    resume: str | None = key(
+        None, "continue a run: auto, an MLflow run id, a run folder or last.pt", NOTHING
+    )
+    profile: bool = key(False, "torch.profiler traces of a few steps, logged to MLflow", SPEED)
+    profiler: ProfilerConfig = section(ProfilerConfig, "what profile true traces", SPEED)
+    max_batch: MaxBatchConfig = section(MaxBatchConfig, "the largest batch that fits", NOTHING)
+    debug: DebugConfig = section(DebugConfig, "test hooks", SPEED)
 
 
 SCHEMAS: dict[str, dict[str, type]] = {
@@ -382,16 +427,3 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "onecycle": OneCycleConfig,
     },
 }
-
-
-# one schema per strategy of the strategy table, and no other
-assert SCHEMAS["parallelism"].keys() == STRATEGIES.keys(), "parallelism schemas != STRATEGIES"
-
-
-def register_configs() -> None:
-    """Store the schemas in Hydra's ConfigStore (idempotent)."""
-    cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
-    for group, schemas in SCHEMAS.items():
-        for name, node in schemas.items():
-            cs.store(group=f"schema/{group}", name=name, node=node)

@@ -6,8 +6,9 @@ A key left unset, an interpolation that cannot be resolved (`${oc.env:NOPE}`) an
 with `+` that nothing reads are problems too; one that other options of its group have
 (`+data.num_train` with data=fashion_mnist) is named with them.
 
-What a strategy refuses (its keys' choices, the combinations it cannot run) is the strategy's
-own, asked of `accelexp.parallel.rules`. What this machine can hold is checked apart, in
+The choices of a string key of a fixed set are the schema's (`key(..., choices=...)`); what a
+strategy refuses (its keys' choices, the combinations it cannot run) is the strategy's own, asked
+of `accelexp.parallel.rules`. What this machine can hold is checked apart, in
 `resources.py`.
 """
 
@@ -24,14 +25,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from accelexp.config.catalog import flatten, options_declaring
+from accelexp.config.keys import choices_of
+from accelexp.config.schema import SCHEMAS, Config
 from accelexp.errors import ConfigError
 from accelexp.parallel import rules as strategy_rules
 
 PRECISIONS = ("fp32", "amp", "bf16")
-DEVICES = ("auto", "cpu", "cuda")
-REPEAT_SEEDS = ("same", "vary")
-COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
-OPTIMIZER_IMPLS = ("auto", "for_loop", "foreach", "fused")
 FLOAT32_MAX = 3.4028234663852886e38  # an lr or a scale beyond it overflows torch's float32 math
 SEED_MAX = 2**32 - 1  # numpy's seeding takes [0, 2**32 - 1]
 INT32_MAX = 2**31 - 1
@@ -58,7 +57,37 @@ def _tracking_store(uri: str) -> bool:
     return _scheme(uri) != "sqlite" or urlparse(uri).path.strip("/") not in ("", ":memory:")
 
 
-def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
+def _declared_choices(key: str) -> tuple[str, ...]:
+    """The choices the schema declares for `key` (`device`, `speed.compile`, `parallelism.op`):
+    the same in every option of a group that has the key."""
+    group, _, name = key.rpartition(".")
+    if group in SCHEMAS:
+        schemas = list(SCHEMAS[group].values())
+    else:  # a top-level key, or a section's
+        schemas = [Config.__dataclass_fields__[group].default_factory if group else Config]
+    found = {
+        choices_of(f) for schema in schemas for f in dataclasses.fields(schema) if f.name == name
+    }
+    assert len(found) == 1 and () not in found, f"{key}: the schema declares choices {found}"
+    return found.pop()
+
+
+Rule = tuple[str, Callable[[Any], bool], str]
+
+
+def _one_of(key: str) -> Rule:
+    """`key` takes one of its declared choices: "expected one of a, b, c"."""
+    choices = _declared_choices(key)
+    return key, lambda v: v in choices, f"one of {', '.join(choices)}"
+
+
+def _either(key: str) -> Rule:
+    """`key` takes one of its declared choices: "expected a, b or c"."""
+    choices = _declared_choices(key)
+    return key, lambda v: v in choices, " or ".join([", ".join(choices[:-1]), choices[-1]])
+
+
+def _rules() -> list[Rule]:
     positive = (lambda v: 0 < v <= FLOAT32_MAX, "a number > 0 (and at most 3.4e38)")
     non_negative = (lambda v: 0 <= v <= FLOAT32_MAX, "a number >= 0 (and at most 3.4e38)")
     at_least_one = (lambda v: v >= 1, "an integer >= 1")
@@ -68,12 +97,12 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
     return [
         ("seed", lambda v: 0 <= v <= SEED_MAX, f"an integer in [0, {SEED_MAX}]"),
         ("repeats", *at_least_one),
-        ("repeat_seed", lambda v: v in REPEAT_SEEDS, " or ".join(REPEAT_SEEDS)),
+        _either("repeat_seed"),
         ("repeat_index", lambda v: v >= 0, "an integer >= 0 (set by the sweeper)"),
         ("epochs", *at_least_one),
         ("max_steps_per_epoch", *optional_at_least_one),
         ("target_accuracy", lambda v: v is None or 0 < v <= 1, "null or a number in (0, 1]"),
-        ("device", lambda v: v in DEVICES, f"one of {', '.join(DEVICES)}"),
+        _one_of("device"),
         ("threads", *optional_at_least_one),
         ("log_every_n_steps", *at_least_one),
         ("data.batch_size", *at_least_one),
@@ -95,16 +124,12 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
         ),
         ("parallelism.nprocs", *at_least_one),
         ("parallelism.accumulate_steps", *at_least_one),
-        (
-            "parallelism.lr_scaling",
-            lambda v: v in ("linear", "sqrt", "none"),
-            "linear, sqrt or none",
-        ),
-        ("parallelism.backend", lambda v: v in ("auto", "nccl", "gloo"), "auto, nccl or gloo"),
+        _either("parallelism.lr_scaling"),
+        _either("parallelism.backend"),
         ("parallelism.bucket_cap_mb", *positive),
-        ("parallelism.comm_hook", lambda v: v in ("none", "fp16", "bf16"), "none, fp16 or bf16"),
-        ("parallelism.compression", lambda v: v in ("none", "fp16"), "none or fp16"),
-        ("parallelism.op", lambda v: v in ("average", "adasum"), "average or adasum"),
+        _either("parallelism.comm_hook"),
+        _either("parallelism.compression"),
+        _either("parallelism.op"),
         (
             "parallelism.master_port",
             lambda v: v is None or 1 <= v <= 65535,
@@ -117,7 +142,7 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
         ),
         ("parallelism.stages", *optional_at_least_one),
         ("parallelism.chunks", *at_least_one),
-        ("parallelism.balance", lambda v: v in ("params", "compute"), "params or compute"),
+        _either("parallelism.balance"),
         (
             "parallelism.split_points",
             lambda v: v is None or (all(b > a for a, b in pairwise(v)) and min(v, default=1) > 0),
@@ -134,12 +159,8 @@ def _rules() -> list[tuple[str, Callable[[Any], bool], str]]:
         ("profiler.active", *at_least_one),
         ("max_batch.limit", *at_least_one),
         ("speed.channels_last", *auto_or_bool),
-        ("speed.compile", lambda v: v in COMPILE_MODES, f"one of {', '.join(COMPILE_MODES)}"),
-        (
-            "speed.optimizer_impl",
-            lambda v: v in OPTIMIZER_IMPLS,
-            f"one of {', '.join(OPTIMIZER_IMPLS)}",
-        ),
+        _one_of("speed.compile"),
+        _one_of("speed.optimizer_impl"),
         (
             "mlflow.tracking_uri",
             _tracking_store,

@@ -17,8 +17,9 @@ same parallelism, then the newest. Scaling efficiency is speedup per added worke
 a mixed-precision row's throughput by an fp32 run that differs from it in the precision only
 (`AMP_VARIES`). "Differs" is read from everything a run logs about itself: its params (the whole
 resolved config, the world's shape, the torch version, where the data lives), its config tags and
-its `device` tag — except the keys that cannot change speed (`accelexp.record.ignored_for_speed`:
-tracking, seed, progress output, evaluation-only sizes, facts derived from the model and data).
+its `device` tag — except the keys that cannot change speed
+(`accelexp.config.identity.ignored_for_speed`: tracking, seed, progress output, evaluation-only
+sizes, facts derived from the model and data).
 A key only one of two runs logged is not compared (it did not exist yet). When no like-for-like run
 exists the figure stays blank and `Row.note` says why, naming the nearest run and how it differs.
 
@@ -44,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 from accelexp import stats
+from accelexp.config.identity import ignored_for_speed
 from accelexp.errors import AccelexpError
 from accelexp.parallel import STRATEGIES
 from accelexp.record import (
@@ -75,7 +77,6 @@ from accelexp.record import (
     TIMED_STEPS,
     WORLD_SHAPE,
     WORLD_SIZE,
-    ignored_for_speed,
 )
 from accelexp.stats import Estimate
 from accelexp.tracking.query import RunRecord
@@ -90,7 +91,7 @@ SETTING_DEFAULTS = {SPEED: "eager"}  # what runs logged before the setting exist
 MIN_STEADY_STEPS = 10  # timed steps a throughput needs, over the epochs it uses (module doc)
 
 # --- what "like for like" compares --------------------------------------------------------------
-# not compared: the params that cannot change speed (accelexp.record.ignored_for_speed)
+# not compared: the params that cannot change speed (accelexp.config.identity.ignored_for_speed)
 # params that repeat a config tag (compared as the tag)
 TAGGED_PARAMS = {*(f"{tag}.name" for tag in (MODEL, DATA, PARALLELISM, PRECISION)), WORLD_SIZE}
 COMPARED_TAGS = (*CONFIG_KEYS, DEVICE)  # "device": the tag only, e.g. "NVIDIA H200"
@@ -243,7 +244,7 @@ def world_size(record: RunRecord) -> int | None:
 
 def comparable_settings(record: RunRecord) -> dict[str, str]:
     """What a run was, for like-for-like checks: params and config tags, less the params that
-    cannot change speed (`accelexp.record.ignored_for_speed`)."""
+    cannot change speed (`accelexp.config.identity.ignored_for_speed`)."""
     params = {
         key: value
         for key, value in record.params.items()

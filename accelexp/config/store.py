@@ -1,0 +1,21 @@
+"""The schemas in Hydra's ConfigStore, where `conf/`'s defaults lists find them
+(`- /schema/<group>/<name>@_here_`)."""
+
+from __future__ import annotations
+
+from hydra.core.config_store import ConfigStore
+
+from accelexp.config.schema import SCHEMAS, Config
+from accelexp.parallel import STRATEGIES
+
+# one schema per strategy of the strategy table, and no other
+assert SCHEMAS["parallelism"].keys() == STRATEGIES.keys(), "parallelism schemas != STRATEGIES"
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, schemas in SCHEMAS.items():
+        for name, node in schemas.items():
+            cs.store(group=f"schema/{group}", name=name, node=node)
