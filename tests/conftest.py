@@ -17,6 +17,7 @@ import fcntl
 import functools
 import hashlib
 import importlib.util
+import io
 import json
 import logging
 import os
@@ -234,8 +235,10 @@ def run_here(
     `__main__` does, with what the process would change put back afterwards (argv, environment,
     working folder, torch's threads, signal handlers, logging, Hydra's global state). For the
     many cases that end before training (bad input), and for runs whose process start-up would
-    only repeat what pytest's has done. Output is captured at the descriptors with `capfd`
-    (without: it goes to pytest's own capture, shown when the test fails, and is not returned)."""
+    only repeat what pytest's has done (a sweep, a run read back from MLflow). Output is captured
+    at the descriptors with `capfd`; without it (a fixture wider than a test), what this process
+    writes through `sys.stdout`/`sys.stderr` (the job's log, progress, errors), not what the
+    processes it starts write."""
     from hydra.core.global_hydra import GlobalHydra
 
     from accelexp import startup
@@ -250,8 +253,13 @@ def run_here(
     sys.argv = [str(REPO / "run.py"), *args, *extra]
     if capfd is not None:
         capfd.readouterr()
+    written = io.StringIO(), io.StringIO()
     try:
-        with contextlib.chdir(REPO):  # and back, whatever the job changed
+        with (
+            contextlib.chdir(REPO),  # and back, whatever the job changed
+            contextlib.redirect_stdout(written[0] if capfd is None else sys.stdout),
+            contextlib.redirect_stderr(written[1] if capfd is None else sys.stderr),
+        ):
             try:
                 code = startup.run_main(_entry_point().main)
             except SystemExit as exit:
@@ -270,7 +278,7 @@ def run_here(
             loggers[name].handlers[:] = kept
             loggers[name].setLevel(level)
         GlobalHydra.instance().clear()
-    out, err = capfd.readouterr() if capfd is not None else ("", "")
+    out, err = capfd.readouterr() if capfd is not None else (w.getvalue() for w in written)
     return subprocess.CompletedProcess(args, int(code), out, err)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import CONF_DIR, group_options, new_store, output_of, run_cli
+from conftest import CONF_DIR, group_options, new_store, output_of, run_cli, run_here
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
@@ -30,7 +30,7 @@ def assert_clean_failure(result: subprocess.CompletedProcess) -> str:
 
 @pytest.fixture(scope="module")
 def help_text() -> str:
-    result = run_cli("--help")
+    result = run_here(None, "--help")
     text = output_of(result)
     assert result.returncode == 0, text
     assert "Traceback" not in text

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import TINY_DATA, TINY_RUN, new_store, output_of, run_cli
+from conftest import TINY_DATA, TINY_RUN, new_store, output_of
 from mlflow import MlflowClient
 
 from accelexp.parallel.world import free_port
@@ -188,9 +188,9 @@ def secret_uri(base: str) -> str:
     return base.replace("http://", f"http://alice:{SECRET}@")
 
 
-def test_a_run_with_a_password_in_the_uri_works_and_keeps_it_nowhere(server, tmp_path):
+def test_a_run_with_a_password_in_the_uri_works_and_keeps_it_nowhere(server, tmp_path, cli):
     base, store = server
-    result = run_cli(
+    result = cli(
         f"mlflow.tracking_uri={secret_uri(base)}",
         "mlflow.experiment=single",
         "data=synthetic",
@@ -213,9 +213,9 @@ def test_a_run_with_a_password_in_the_uri_works_and_keeps_it_nowhere(server, tmp
     assert files_with_secret(tmp_path, store) == []
 
 
-def test_a_sweep_with_a_password_in_the_uri_works_and_keeps_it_nowhere(server, tmp_path):
+def test_a_sweep_with_a_password_in_the_uri_works_and_keeps_it_nowhere(server, tmp_path, cli):
     base, store = server
-    result = run_cli(
+    result = cli(
         "-m",
         "precision=fp32,bf16",
         f"mlflow.tracking_uri={secret_uri(base)}",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, new_store, only_run, output_of, run_cli
+from conftest import compose_config, new_store, only_run, output_of
 from mlflow import MlflowClient
 
 from accelexp.diagnosis.verdict import RunFacts, diagnose
@@ -227,9 +227,9 @@ def test_the_advice_is_the_runs_own(compose_cfg):
 
 
 @pytest.mark.slow
-def test_out_of_memory_is_one_message_a_failed_run_and_a_sweep_goes_on(tmp_path, tracking_uri):
+def test_out_of_memory_is_one_message_a_failed_run_and_a_sweep_goes_on(tmp_path, tracking_uri, cli):
     uri = tracking_uri
-    result = run_cli(
+    result = cli(
         "-m",
         "data=synthetic",
         "data.num_train=256",

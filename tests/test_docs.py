@@ -283,10 +283,10 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def run_py_ok(args: list[str]) -> None:
     """`python run.py ARGS` in this process (`conftest.run_here`): a new process would only
-    repeat pytest's imports (torch, MLflow: most of a tiny run's time). Its output goes to the
-    test's capture, shown when it fails."""
+    repeat pytest's imports (torch, MLflow: most of a tiny run's time)."""
     result = run_here(None, *args)
-    assert result.returncode == 0, f"run.py {shlex.join(args)} exited {result.returncode}"
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"run.py {shlex.join(args)} exited {result.returncode}\n{output}"
 
 
 def run_ok(argv: list[str], env: dict[str, str] | None = None) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from conftest import CONF_DIR, compose_config, output_of, run_cli
+from conftest import CONF_DIR, compose_config, output_of, run_here
 from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
@@ -65,8 +65,8 @@ def study_sweep(tmp_path_factory: pytest.TempPathFactory, mlflow_template_db: Pa
 
     tmp = tmp_path_factory.mktemp("memory")
     uri = new_store(tmp, mlflow_template_db)
-    result = run_cli(
-        "-m", "+experiment=memory_vs_speed", "model=simple_cnn", "parallelism=ddp,model",
+    result = run_here(
+        None, "-m", "+experiment=memory_vs_speed", "model=simple_cnn", "parallelism=ddp,model",
         "progress=false", f"mlflow.tracking_uri={uri}", f"hydra.sweep.dir={tmp / 'sweep'}",
     )  # fmt: skip
     assert result.returncode == 0, output_of(result)

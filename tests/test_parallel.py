@@ -78,9 +78,9 @@ def test_ddp_fp16_compression_sends_the_gradients_as_fp16(hook, compressed, comp
 
 
 @pytest.mark.parametrize("name", ["horovod"])  # ddp's: the README's scaling sweep, test_sweeps
-def test_a_sweep_over_worker_counts_logs_one_run_per_job(name, tmp_path, tracking_uri):
+def test_a_sweep_over_worker_counts_logs_one_run_per_job(name, tmp_path, tracking_uri, cli):
     uri = tracking_uri
-    result = run_cli(
+    result = cli(
         "-m",
         f"parallelism={name}",
         "parallelism.nprocs=1,2",

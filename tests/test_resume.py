@@ -1,8 +1,10 @@
 """Checkpoint and resume, with real jobs: a run killed mid-training and resumed ends exactly where
 an uninterrupted run ends (bitwise on the CPU), in the same MLflow run, with the same metrics.
 
-Also: a worker SIGKILLed under torchrun's `parallelism.max_restarts=1` (the world restarts and
-resumes by itself), a joined world whose ranks run in different folders (no shared
+DDP's resume is the torchrun restart's: a worker SIGKILLed under `parallelism.max_restarts=1`,
+the world restarts and resumes by itself from the checkpoint (a signal stopping every DDP process
+is tests/test_signals.py's; `resume=auto` finding the killed run, the single-process case's).
+Also: a joined world whose ranks run in different folders (no shared
 filesystem), the refusals of `resume`, and a reused run folder that never adopts another run.
 """
 
@@ -130,18 +132,6 @@ def test_a_killed_run_resumed_ends_as_an_uninterrupted_one(
     assert run.info.status == "FINISHED"
     assert int(run.data.tags["resumed_after_epoch"]) >= 1
     assert_same_training(*references(), resumed_dir, uri)
-
-
-@pytest.mark.slow
-def test_a_killed_ddp_run_resumed_ends_as_an_uninterrupted_one(
-    tmp_path, mlflow_template_db, cli, references
-):
-    resumed_dir, uri, run_id = kill_and_resume(
-        tmp_path, mlflow_template_db, cli, signal.SIGINT, *DDP
-    )
-    assert the_run(uri).info.run_id == run_id
-    assert the_run(uri).info.status == "FINISHED"
-    assert_same_training(*references(*DDP), resumed_dir, uri)
 
 
 @pytest.mark.slow

@@ -16,7 +16,6 @@ import torch.nn as nn
 from conftest import (
     final_params,
     only_run,
-    run_cli,
 )
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
@@ -170,9 +169,9 @@ def test_model_parallel_compiles_each_stage_and_keeps_the_outputs(compose_cfg):
 
 
 @pytest.mark.slow
-def test_the_speedups_study_runs_one_child_per_rung(tmp_path, tracking_uri):
+def test_the_speedups_study_runs_one_child_per_rung(tmp_path, tracking_uri, cli):
     uri = tracking_uri
-    result = run_cli(
+    result = cli(
         "-m", "+experiment=speedups", "data.num_train=256", "data.num_test=128",
         "data.image_size=16", "data.batch_size=32", "epochs=1", "max_steps_per_epoch=4",
         "progress=false", "threads=1", "repeats=1", f"mlflow.tracking_uri={uri}",

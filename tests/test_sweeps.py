@@ -23,7 +23,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose_config, new_store, output_of, run_cli
+from conftest import REPO, compose_config, new_store, output_of, run_here
 from mlflow import MlflowClient
 from playwright.sync_api import sync_playwright
 
@@ -58,10 +58,16 @@ CHROMIUM_ARGS = [
 
 
 def sweep(tmp: Path, template: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, str]:
-    """`run.py -m` at the tiny size into a store of its own (a copy of the migrated template)."""
+    """`run.py -m` at the tiny size into a store of its own (a copy of the migrated template),
+    in this process (`conftest.run_here`: what a new one adds is only its start-up)."""
     uri = new_store(tmp, template)
-    result = run_cli(
-        "-m", *TINY, *overrides, f"mlflow.tracking_uri={uri}", f"hydra.sweep.dir={tmp / 'sweep'}"
+    result = run_here(
+        None,
+        "-m",
+        *TINY,
+        *overrides,
+        f"mlflow.tracking_uri={uri}",
+        f"hydra.sweep.dir={tmp / 'sweep'}",
     )
     return result, uri
 

@@ -286,14 +286,15 @@ def test_three_runs_started_at_once_on_a_new_store_are_all_recorded(tmp_path):
 
 
 @pytest.mark.parametrize("parallelism", ["single", "ddp"])
-def test_a_diverging_run_fails_with_one_message_and_keeps_what_it_logged(parallelism, tmp_path):
+def test_a_diverging_run_fails_with_one_message_and_keeps_what_it_logged(
+    parallelism, tmp_path, cli
+):
     uri = f"sqlite:///{tmp_path}/m.db"
-    result = subprocess.run(
-        [sys.executable, "run.py", "data=synthetic", "data.num_train=256", "data.batch_size=32",
-         "epochs=3", "max_steps_per_epoch=3", "progress=false", "threads=1", "optimizer.lr=1e6",
-         f"parallelism={parallelism}", f"parallelism.nprocs={2 if parallelism == 'ddp' else 1}",
-         f"mlflow.tracking_uri={uri}", f"hydra.run.dir={tmp_path / 'job'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+    result = cli(
+        "data=synthetic", "data.num_train=256", "data.batch_size=32", "epochs=3",
+        "max_steps_per_epoch=3", "progress=false", "threads=1", "optimizer.lr=1e6",
+        f"parallelism={parallelism}", f"parallelism.nprocs={2 if parallelism == 'ddp' else 1}",
+        f"mlflow.tracking_uri={uri}", tmp_path=tmp_path,
     )  # fmt: skip
     text = result.stdout + result.stderr
     assert result.returncode == 2, text
