@@ -1,11 +1,13 @@
 """Checkpoint and resume, with real jobs: a run killed mid-training and resumed ends exactly where
 an uninterrupted run ends (bitwise on the CPU), in the same MLflow run, with the same metrics.
 
-DDP's resume is the torchrun restart's: a worker SIGKILLed under `parallelism.max_restarts=1`,
-the world restarts and resumes by itself from the checkpoint (a signal stopping every DDP process
-is tests/test_signals.py's; `resume=auto` finding the killed run, the single-process case's).
-Also: a joined world whose ranks run in different folders (no shared
-filesystem), the refusals of `resume`, and a reused run folder that never adopts another run.
+A world of workers resumes in the torchrun restart's test: an FSDP worker SIGKILLed under
+`parallelism.max_restarts=1`, the world restarts and resumes by itself from the checkpoint, which
+holds the whole state gathered from the shards (a DDP checkpoint is a plain state dict, the
+single process's; a signal stopping every worker is tests/test_signals.py's; `resume=auto`
+finding the killed run, the single-process case's). Also: a joined world whose ranks run in
+different folders (no shared filesystem), the refusals of `resume`, and a reused run folder that
+never adopts another run.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ RUN = (
 # take at least 8 x 0.3 s after that line, whatever the machine's load, and the signal lands in
 # the middle of training. The uninterrupted references are not slowed: it changes no result.
 SLOWED = (*RUN, "debug.input_delay_ms=300")
-DDP = ("parallelism=ddp", "parallelism.nprocs=2")
 FSDP = ("parallelism=fsdp", "parallelism.nprocs=2")
 EPOCH_METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
 FINAL_METRICS = ("best_val_acc", "test_loss", "test_acc")
@@ -135,27 +136,16 @@ def test_a_killed_run_resumed_ends_as_an_uninterrupted_one(
 
 
 @pytest.mark.slow
-def test_a_killed_fsdp_run_resumed_ends_as_an_uninterrupted_one(
-    tmp_path, mlflow_template_db, cli, references
-):
-    """last.pt holds FSDP's whole state, gathered from the shards; resuming reshards it."""
-    resumed_dir, uri, run_id = kill_and_resume(
-        tmp_path, mlflow_template_db, cli, signal.SIGTERM, *FSDP
-    )
-    assert the_run(uri).info.run_id == run_id
-    assert the_run(uri).info.status == "FINISHED"
-    assert_same_training(*references(*FSDP), resumed_dir, uri)
-
-
-@pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_and_the_world_resumes(
     tmp_path, mlflow_template_db, references
 ):
+    """FSDP's world: last.pt holds its whole state, gathered from the shards; the restarted
+    workers reshard it."""
     uri = new_store(tmp_path, mlflow_template_db)
     job = Job(
         tmp_path,
         *SLOWED,
-        *DDP,
+        *FSDP,
         "parallelism.max_restarts=1",
         f"mlflow.tracking_uri={uri}",
         f"hydra.run.dir={tmp_path / 'job'}",
@@ -169,7 +159,7 @@ def test_torchrun_restarts_a_killed_worker_and_the_world_resumes(
         job.kill_everything()
     assert "Resuming after epoch" in job.output
     assert the_run(uri).info.status == "FINISHED"
-    assert_same_training(*references(*DDP), tmp_path / "job", uri)
+    assert_same_training(*references(*FSDP), tmp_path / "job", uri)
 
 
 @pytest.mark.slow

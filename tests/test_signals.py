@@ -11,7 +11,7 @@ raises `Interrupted`; a launcher's workers get SIGTERM from `accelexp.processes.
 whichever signal the job got), and what differs by strategy is who catches it: run.py itself
 (single, and a sweep's parent), or the launcher and its workers (torchrun for ddp, horovodrun for
 horovod). So each strategy is signalled once and each signal is sent at least once here; the
-other signal of single and ddp is sent in tests/test_resume.py, which resumes what it stopped.
+other signal of single is sent in tests/test_resume.py, which resumes what it stopped.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def stop_after_epoch_1(job: Job, signum: int, workers: int = 0) -> None:
     "strategy, signum",
     [
         ("single", signal.SIGINT),  # SIGTERM: in test_resume.py
-        ("ddp", signal.SIGTERM),  # SIGINT: in test_resume.py
+        ("ddp", signal.SIGTERM),
         ("horovod", signal.SIGINT),
     ],
 )
