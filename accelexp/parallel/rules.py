@@ -106,21 +106,21 @@ def _unoffered(parallelism: DictConfig) -> str:
         return ""
     typed = [f"parallelism.placement={placement}"] if placement != preset.placement else []
     typed += [f"parallelism.sync={sync}"] if sync not in preset.syncs else []
-    said = (
-        f"  {' '.join(typed)} does not fit parallelism={parallelism.name}, a preset of "
-        f"{preset.placement} × {_either(preset.syncs)} whose other keys are that pair's"
+    said = (  # the preset first: `validate`'s example fix is then `parallelism=...`
+        f"  parallelism={parallelism.name} is a preset of {preset.placement} × "
+        f"{_either(preset.syncs)}, whose other keys are that pair's"
     )
     offering = [n for n, p in STRATEGIES.items() if p.placement == placement and sync in p.syncs]
     if offering:
-        return f"{said}: use {_pick(offering[0], sync)}."
+        return f"{said}: for {' '.join(typed)} use {_pick(offering[0], sync)}."
     # the presets of the same sync (every sync has one), then this one where it chooses its sync
     near = [_pick(name, sync) for name, p in STRATEGIES.items() if sync in p.syncs]
     if len(preset.syncs) > 1:
         near.append(_pick(parallelism.name, preset.syncs[0]))
     reason = UNPAIRED.get((placement, sync))
     return (
-        f"{said}; no preset is {placement} × {sync}{f': {reason}' if reason else ''}. "
-        f"Use {_either(near)}."
+        f"{said}, and no preset is {placement} × {sync} ({' '.join(typed)})"
+        f"{f': {reason}' if reason else ''}. Use {_either(near)}."
     )
 
 
