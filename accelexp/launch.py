@@ -4,7 +4,7 @@
   `parallel/world.py`), or with `nprocs: 1`, the job trains in this process.
 - Otherwise the strategy's real launcher starts `nprocs` workers on this machine: torch's elastic
   launcher (`python -m torch.distributed.run`, i.e. torchrun) for DDP, `horovodrun --gloo` for
-  Horovod, and its engine's for `hybrid`. Each worker runs `python -m accelexp.worker SPEC_DIR`
+  Horovod, and its sync's for `hybrid`. Each worker runs `python -m accelexp.worker SPEC_DIR`
   on the *resolved* config saved there: workers do not re-run Hydra nor make output folders of
   their own.
 

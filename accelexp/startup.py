@@ -3,9 +3,10 @@
 Hydra prints errors raised before the job function runs — a run folder it cannot make, an
 interpolation of its own it cannot resolve — with a traceback. `run_main` has Hydra raise them
 (`HYDRA_FULL_ERROR=1`) and says each in one line with a non-zero exit; a user who sets
-`HYDRA_FULL_ERROR=1` still gets the whole traceback. SIGINT/SIGTERM between a sweep's jobs, or
-while Hydra composes, end like a signal during a job (`accelexp.signals`): the sweep's parent run
-KILLED, one line, exit 130/143.
+`HYDRA_FULL_ERROR=1` still gets the whole traceback. A key typed by its old name is refused
+before Hydra composes, with the override to type instead (`validate.renamed_key`), exit 2.
+SIGINT/SIGTERM between a sweep's jobs, or while Hydra composes, end like a signal during a job
+(`accelexp.signals`): the sweep's parent run KILLED, one line, exit 130/143.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ def run_main(main: Callable[[], object]) -> int:
     signals.install()
     full_error = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"
-    empty = _empty_run_dir(sys.argv[1:])
-    if empty:
-        print(f"Error: {empty}", file=sys.stderr)
+    refused = _empty_run_dir(sys.argv[1:]) or _renamed_key(sys.argv[1:])
+    if refused:
+        print(f"Error: {refused}", file=sys.stderr)
         return outcome.EXIT_BAD_INPUT
     with outcome.sweep_state() as sweep:
         try:
@@ -66,6 +67,19 @@ def say(error: Exception) -> None:
     else:
         message = f"{type(error).__name__}: {error}"
     print(f"Error: {message}\n(HYDRA_FULL_ERROR=1 shows the traceback)", file=sys.stderr)
+
+
+def _renamed_key(args: list[str]) -> str | None:
+    """A key typed by its old name (`validate.RENAMED_KEYS`), said with the override to type
+    instead; Hydra would refuse it as unknown without the value."""
+    from accelexp.config.validate import renamed_key
+
+    for arg in args:
+        key, _, value = arg.lstrip("+~").partition("=")
+        hint = renamed_key(key, value or None)
+        if hint:
+            return hint
+    return None
 
 
 def _empty_run_dir(args: list[str]) -> str | None:

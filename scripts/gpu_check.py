@@ -17,8 +17,8 @@ why) or FAIL:
 2. `parallelism=model precision=amp`: fp16 autocast per stage and one GradScaler over the stages'
    parameters train 2 epochs, and the stages' devices and peak memory are logged;
 3. `parallelism=model precision=bf16 parallelism.balance=compute`;
-4. `parallelism=hybrid parallelism.engine=ddp` (NCCL, DDP over the multi-device replica);
-5. `parallelism=hybrid parallelism.engine=horovod`, when Horovod was built with GPU operations
+4. `parallelism=hybrid parallelism.sync=ddp` (NCCL, DDP over the multi-device replica);
+5. `parallelism=hybrid parallelism.sync=horovod`, when Horovod was built with GPU operations
    (`scripts/build_horovod.sh` on a machine with CUDA and NCCL); otherwise SKIP, said why;
 6. `parallelism=dp` (torch.nn.DataParallel over every visible GPU; on one GPU, that one);
 7. the speed switches together, `speed.channels_last=true speed.tf32=true speed.compile=default
@@ -339,9 +339,9 @@ def main() -> int:
         params, metrics = job["params"], job["metrics"]
         return f"split_points {params['split_points']}, test_acc {metrics['test_acc']:.3f}"
 
-    def hybrid_run(engine: str) -> str:
-        job = run(f"hybrid-{engine}", *device_flag, *hybrid,
-                  f"parallelism.engine={engine}", "precision=amp")  # fmt: skip
+    def hybrid_run(sync: str) -> str:
+        job = run(f"hybrid-{sync}", *device_flag, *hybrid,
+                  f"parallelism.sync={sync}", "precision=amp")  # fmt: skip
         params = job["params"]
         shape = {k: params[k] for k in ("world_size", "replicas", "devices_per_replica")}
         assert int(params["replicas"]) == replicas, shape
@@ -435,8 +435,8 @@ def main() -> int:
     )
     check("2 model, amp (fp16 + GradScaler)", model_amp)
     check("3 model, bf16, balance=compute", model_bf16)
-    check("4 hybrid, engine=ddp", lambda: hybrid_run("ddp"))
-    check("5 hybrid, engine=horovod", hybrid_horovod)
+    check("4 hybrid, sync=ddp", lambda: hybrid_run("ddp"))
+    check("5 hybrid, sync=horovod", hybrid_horovod)
     check("6 dp", dp_run)
     check("7 speed switches (cl, tf32, compile, fused, amp)", switches_run)
     check("8 data on device == copied per batch", lambda: check_loader_paths(device))

@@ -138,7 +138,13 @@ CASES = [
     case("parallelism.lr_scaling=cubic", "parallelism.lr_scaling"),
     case("parallelism.accumulate_steps=0", "parallelism.accumulate_steps"),
     case("parallelism=model parallelism.chunks=3", "parallelism.chunks"),
-    case("parallelism=hybrid parallelism.engine=mpi", "parallelism.engine"),
+    case("parallelism=hybrid parallelism.sync=mpi", "parallelism.sync"),
+    case(
+        "parallelism=hybrid parallelism.engine=horovod",
+        "parallelism.engine is now parallelism.sync: parallelism.sync=horovod",
+    ),
+    case("parallelism=ddp parallelism.sync=horovod", "use parallelism=horovod"),
+    case("parallelism=hybrid parallelism.sync=none", "use parallelism=model"),
     case("parallelism=horovod parallelism.op=sum", "parallelism.op"),
     # --- Hydra's own options ---------------------------------------------------------------
     case("hydra.run.dir=/proc/forbidden", "hydra.run.dir"),

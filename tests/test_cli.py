@@ -6,6 +6,7 @@ Hydra's job folder goes to tmp, and a run that gets as far as the tracker uses a
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -50,9 +51,10 @@ def option_block(help_text: str, heading: str, label: str) -> str:
 
 
 def typed_values(words: str) -> dict[str, object]:
-    """`a=1 b=[2,3] c=null` read back the way Hydra reads a command line."""
+    """`a=1 b=[2,3] c=null d='x y'` read back the way Hydra reads a command line."""
     parser = OverridesParser.create()
-    pairs = (parser.parse_override(word.lstrip("*")) for word in words.split() if "=" in word)
+    quoted_or_not = re.findall(r"(?:'[^']*'|\S)+", words)  # 'one device': one word
+    pairs = (parser.parse_override(word.lstrip("*")) for word in quoted_or_not if "=" in word)
     return {pair.key_or_group: pair.value() for pair in pairs}
 
 

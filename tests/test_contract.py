@@ -75,13 +75,13 @@ def _fsdp_units(units: int) -> Callable[[Run], None]:
     return check
 
 
-def _hybrid(engine: str, name: str | None = None) -> Callable[[Run], None]:
+def _hybrid(sync: str, name: str | None = None) -> Callable[[Run], None]:
     def check(run: Run) -> None:
         params = run.data.params
         # on a CPU both stages of a replica share the one CPU: 2 replicas x 1 device
         facts = (params["replicas"], params["devices_per_replica"], params["world_size"])
         assert facts == ("2", "1", "2")
-        assert (run.data.tags["placement"], run.data.tags["sync"]) == ("stages", engine)
+        assert (run.data.tags["placement"], run.data.tags["sync"]) == ("stages", sync)
         assert "stage1_peak_mem_mb" in run.data.metrics
         assert name is None or run.info.run_name == name
 
@@ -116,7 +116,7 @@ CASES = [
         "hybrid-ddp",
         (
             "parallelism=hybrid",
-            "parallelism.engine=ddp",
+            "parallelism.sync=ddp",
             "parallelism.devices_per_replica=2",
             "parallelism.chunks=2",
             *TWO_WORKERS,
@@ -139,7 +139,7 @@ CASES = [
     ),
     Case(
         "hybrid-horovod-accumulate",
-        ("parallelism=hybrid", "parallelism.engine=horovod", "parallelism.chunks=4", *ACCUMULATING),
+        ("parallelism=hybrid", "parallelism.sync=horovod", "parallelism.chunks=4", *ACCUMULATING),
         check=_hybrid("horovod"),
     ),
     # split = unsplit: one process, the model in stages

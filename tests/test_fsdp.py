@@ -52,7 +52,7 @@ def test_an_fsdp_worker_holds_half_the_state_a_ddp_worker_holds(tmp_path, mlflow
 
 
 def test_hybrid_cannot_shard_its_pipelines(compose_cfg):
-    cfg = compose_cfg("parallelism=hybrid", "parallelism.engine=fsdp")
+    cfg = compose_cfg("parallelism=hybrid", "parallelism.sync=fsdp")
     with pytest.raises(ConfigError, match=r"sharding pipeline stages .* is not supported"):
         validate(cfg)
 

@@ -132,9 +132,13 @@ class AmpConfig(PrecisionConfig):
 
 @dataclass
 class ParallelismConfig:
-    """Keys every strategy has; `nprocs` is the number of worker processes (one per GPU)."""
+    """Keys every strategy has: its two parts (`accelexp.parallel`: each option is a preset of
+    a pair, its other keys that pair's); `nprocs` is the number of worker processes (one per
+    GPU)."""
 
     name: str = option_name("single")
+    placement: str = key("one device", "where a replica's layers live: the option's")
+    sync: str = key("none", "how the replicas agree: the option's")
     nprocs: int = key(1, "worker processes (one per GPU)")
     lr_scaling: str = key(
         "linear", "lr scaling with the world size", choices=("linear", "sqrt", "none")
@@ -148,6 +152,7 @@ class DataParallelConfig(ParallelismConfig):
     """torch.nn.DataParallel: one process, `devices` GPUs (null: all visible)."""
 
     name: str = option_name("dp")
+    placement: str = like(ParallelismConfig, "placement", "dataparallel")
     devices: list[int] | None = key(None, "GPU indices to use; null: all visible")
 
 
@@ -156,6 +161,7 @@ class DDPConfig(ParallelismConfig):
     """torch DistributedDataParallel: one process per device, gradients allreduced in buckets."""
 
     name: str = option_name("ddp")
+    sync: str = like(ParallelismConfig, "sync", "ddp")
     backend: str = key(
         "auto", "process group (auto: nccl on CUDA)", choices=("auto", "nccl", "gloo")
     )
@@ -173,6 +179,7 @@ class FSDPConfig(ParallelismConfig):
     """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over workers."""
 
     name: str = option_name("fsdp")
+    sync: str = like(ParallelismConfig, "sync", "fsdp")
     nprocs: int = like(ParallelismConfig, "nprocs", 2)
     backend: str = like(DDPConfig, "backend")
     granularity: str = key("block", "FSDP units: block (one per block of layers), model")
@@ -188,6 +195,7 @@ class HorovodConfig(ParallelismConfig):
     """Horovod: one process per device, gradients allreduced by horovodrun's workers."""
 
     name: str = option_name("horovod")
+    sync: str = like(ParallelismConfig, "sync", "horovod")
     compression: str = key("none", "allreduce compression", choices=("none", "fp16"))
     op: str = key("average", "how gradients are combined", choices=("average", "adasum"))
 
@@ -207,6 +215,7 @@ class ModelParallelConfig(PipelineFields, ParallelismConfig):
     """One process; stage k on devices[k % len(devices)] (None: one GPU each, or the CPU)."""
 
     name: str = option_name("model")
+    placement: str = like(ParallelismConfig, "placement", "stages")
     devices: list[str] | None = key(None, "devices of the stages, in turn; null: a GPU each or CPU")
 
 
@@ -215,8 +224,9 @@ class HybridConfig(PipelineFields, HorovodConfig, DDPConfig):
     """`nprocs` replicas, each a model-parallel pipeline over `devices_per_replica` devices."""
 
     name: str = option_name("hybrid")
+    placement: str = like(ParallelismConfig, "placement", "stages")
+    sync: str = key("ddp", "how the replicas agree: ddp, horovod")
     nprocs: int = like(ParallelismConfig, "nprocs", 2)
-    engine: str = key("ddp", "what keeps the replicas in sync: ddp, horovod")
     devices_per_replica: int = key(2, "devices each replica's pipeline spans")
     stages: int | None = key(None, "pipeline stages per replica; null: one per device")
 

@@ -8,8 +8,13 @@ from hydra.core.config_store import ConfigStore
 from accelexp.config.schema import SCHEMAS, Config
 from accelexp.parallel import STRATEGIES
 
-# one schema per strategy of the strategy table, and no other
-assert SCHEMAS["parallelism"].keys() == STRATEGIES.keys(), "parallelism schemas != STRATEGIES"
+# one schema per preset of the strategy table, and no other, each with the preset's placement
+# and (first) sync as its defaults
+assert {
+    name: (schema.placement, schema.sync) for name, schema in SCHEMAS["parallelism"].items()
+} == {name: (preset.placement, preset.syncs[0]) for name, preset in STRATEGIES.items()}, (
+    "parallelism schemas != STRATEGIES"
+)
 
 
 def register_configs() -> None:

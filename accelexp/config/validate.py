@@ -4,7 +4,8 @@
 value and what is allowed, so a typo costs one run of `python run.py`, not an hour of training.
 A key left unset, an interpolation that cannot be resolved (`${oc.env:NOPE}`) and a key added
 with `+` that nothing reads are problems too; one that other options of its group have
-(`+data.num_train` with data=fashion_mnist) is named with them.
+(`+data.num_train` with data=fashion_mnist) is named with them, one that was renamed
+(`RENAMED_KEYS`) with its new name.
 
 The choices of a string key of a fixed set are the schema's (`key(..., choices=...)`); what a
 strategy refuses (its keys' choices, the combinations it cannot run) is the strategy's own, asked
@@ -34,6 +35,8 @@ PRECISIONS = ("fp32", "amp", "bf16")
 FLOAT32_MAX = 3.4028234663852886e38  # an lr or a scale beyond it overflows torch's float32 math
 SEED_MAX = 2**32 - 1  # numpy's seeding takes [0, 2**32 - 1]
 INT32_MAX = 2**31 - 1
+# old spelling -> new: refused with the new one (`renamed_key`)
+RENAMED_KEYS = {"parallelism.engine": "parallelism.sync"}
 # the URI schemes MLflow 3 opens a tracking store / an artifact store for (its error lists them)
 TRACKING_SCHEMES = (
     "", "file", "sqlite", "http", "https", "postgresql", "mysql", "mssql",
@@ -344,9 +347,10 @@ def _unknown_keys(node: DictConfig, prefix: str = "") -> Iterator[str]:
     for key in node:
         name = f"{prefix}.{key}" if prefix else str(key)
         if known and key not in known:
-            if isinstance(node[key], DictConfig):  # +anything.unknown=1: name what was typed
-                name = next(iter(flatten({name: OmegaConf.to_container(node[key])})))
-            problem = misplaced_key(name, node.get("name")) or (
+            value = node[key]
+            if isinstance(value, DictConfig):  # +anything.unknown=1: name what was typed
+                name, value = next(iter(flatten({name: OmegaConf.to_container(value)}).items()))
+            problem = misplaced_key(name, node.get("name"), value) or (
                 f"{name} is not a key of accelexp's config (added with +{name}=...?): nothing "
                 f"would read it. Check its spelling against `python run.py --cfg job`."
             )
@@ -355,9 +359,21 @@ def _unknown_keys(node: DictConfig, prefix: str = "") -> Iterator[str]:
             yield from _unknown_keys(node[key], name)
 
 
-def misplaced_key(key: str, chosen: str | None = None) -> str:
+def renamed_key(key: str, value: Any = None) -> str:
+    """For a key of `RENAMED_KEYS` (given `value`): its new name, as the override to type
+    instead; "" for any other key."""
+    new = RENAMED_KEYS.get(key)
+    if new is None:
+        return ""
+    return f"{key} is now {new}" + ("" if value is None else f": {new}={value}")
+
+
+def misplaced_key(key: str, chosen: str | None = None, value: Any = None) -> str:
     """For `data.num_train` with data=fashion_mnist (`chosen`): that the key belongs to other
-    options of its group (data=synthetic) and what to do; "" when no option of the group has it."""
+    options of its group (data=synthetic) and what to do; for a renamed key, its new name
+    (`renamed_key`); "" when no option of the group has it."""
+    if key in RENAMED_KEYS:
+        return renamed_key(key, value)
     group, _, leaf = key.rpartition(".")
     owners = [f"{group}={option}" for option in options_declaring(group, leaf)] if group else []
     if not owners:

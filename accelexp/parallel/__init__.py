@@ -1,25 +1,31 @@
 """Ways of splitting training work: where a replica's layers live × how replicas agree.
 
-| parallelism | placement (where a replica's layers live)   | sync (how replicas agree)   |
-|-------------|---------------------------------------------|-----------------------------|
-| single      | one device (`base.Placement`)               | none (`base.Sync`)          |
-| dp          | DataParallel over its GPUs (`dp`)           | none                        |
-| ddp         | one device                                  | DDP allreduce (`ddp`)       |
-| fsdp        | one device                                  | FSDP2 shards (`fsdp`)       |
-| horovod     | one device                                  | Horovod (`horovod`)         |
-| model       | stages over devices (`model.Stages`)        | none                        |
-| hybrid      | stages over devices                         | DDP or Horovod (`engine`)   |
+A `parallelism` config names both parts, `parallelism.placement` and `parallelism.sync`; each
+option of `conf/parallelism/` is a preset of a pair, and its other keys belong to that pair
+(`STRATEGIES`, in the report's order):
 
-`build_strategy(cfg)` composes the pair into the `base.Strategy` the loop talks to; `connect(cfg)`
-sets it up and resolves the run's `Precision` with it, once. The modules
-are imported lazily, so torch.distributed and Horovod load only in the runs that use them, and
-this table is read without torch (the config checks and the report order by it).
+| preset  | placement: where a replica's layers live  | sync: how replicas agree         |
+|---------|-------------------------------------------|----------------------------------|
+| single  | one device (`base.Placement`)             | none (`base.Sync`)               |
+| dp      | dataparallel: over its GPUs (`dp`)        | none                             |
+| ddp     | one device                                | ddp: DDP allreduce (`ddp`)       |
+| horovod | one device                                | horovod (`horovod`)              |
+| fsdp    | one device                                | fsdp: FSDP2 shards (`fsdp`)      |
+| model   | stages over devices (`model.Stages`)      | none                             |
+| hybrid  | stages over devices                       | ddp or horovod: its choice       |
+
+`composition(cfg)` loads the classes the two keys name; `build_strategy(cfg)` composes them into
+the `base.Strategy` the loop talks to; `connect(cfg)` sets it up and resolves the run's
+`Precision` with it, once. A pair its preset does not offer is refused by the strategy's rules
+(`rules.problems`). The modules are imported lazily, so torch.distributed and Horovod load only
+in the runs that use them, and this table is read without torch (the config checks and the
+report order by it).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from omegaconf import DictConfig
 
@@ -40,18 +46,26 @@ SYNCS = {
     "fsdp": "accelexp.parallel.fsdp:FSDPSync",
     "horovod": "accelexp.parallel.horovod:HorovodSync",
 }
-# parallelism.name -> (placement, sync); None: the sync is `parallelism.engine`. In the order
-# the report lists runs by.
-STRATEGIES: dict[str, tuple[str, str | None]] = {
-    "single": ("one device", "none"),
-    "dp": ("dataparallel", "none"),
-    "ddp": ("one device", "ddp"),
-    "horovod": ("one device", "horovod"),
-    "fsdp": ("one device", "fsdp"),
-    "model": ("stages", "none"),
-    "hybrid": ("stages", None),
+
+
+class Preset(NamedTuple):
+    """An option of `conf/parallelism/`: its placement, and the syncs it offers (the first is
+    its default; more than one: `parallelism.sync` chooses)."""
+
+    placement: str
+    syncs: tuple[str, ...]
+
+
+# parallelism.name -> its preset, in the order the report lists runs by
+STRATEGIES: dict[str, Preset] = {
+    "single": Preset("one device", ("none",)),
+    "dp": Preset("dataparallel", ("none",)),
+    "ddp": Preset("one device", ("ddp",)),
+    "horovod": Preset("one device", ("horovod",)),
+    "fsdp": Preset("one device", ("fsdp",)),
+    "model": Preset("stages", ("none",)),
+    "hybrid": Preset("stages", ("ddp", "horovod")),
 }
-HYBRID_ENGINES = ("ddp", "horovod")
 
 
 def _load(path: str) -> type:
@@ -60,30 +74,28 @@ def _load(path: str) -> type:
 
 
 def composition(cfg: DictConfig) -> tuple[type[Placement], type[Sync]]:
-    """The placement and sync classes of the `parallelism` config `cfg`."""
+    """The placement and sync classes the `parallelism` config `cfg` names (`cfg.placement`,
+    `cfg.sync`); whether its preset offers the pair is `rules.problems`'s to say."""
     if cfg.name not in STRATEGIES:
         raise ConfigError(
             f"parallelism.name={cfg.name!r} is unknown: expected one of {sorted(STRATEGIES)}"
         )
-    placement, sync = STRATEGIES[cfg.name]
-    if sync is None:
-        if cfg.engine not in HYBRID_ENGINES:
+    for key, table in (("placement", PLACEMENTS), ("sync", SYNCS)):
+        if cfg[key] not in table:
             raise ConfigError(
-                f"parallelism.engine={cfg.engine!r} cannot keep hybrid's replicas in sync: "
-                f"expected one of {', '.join(HYBRID_ENGINES)}."
+                f"parallelism.{key}={cfg[key]!r} is unknown: expected one of {', '.join(table)}."
             )
-        sync = cfg.engine
-    return _load(PLACEMENTS[placement]), _load(SYNCS[sync])
+    return _load(PLACEMENTS[cfg.placement]), _load(SYNCS[cfg.sync])
 
 
 def run_label(cfg: DictConfig) -> dict[str, str]:
     """What a run's name says of its parallelism, by the key that sets each part: the
-    strategy's own description (e.g. {'parallelism': 'hybrid', 'parallelism.engine': 'ddp',
+    strategy's own description (e.g. {'parallelism': 'hybrid', 'parallelism.sync': 'ddp',
     'parallelism.nprocs': 'np2', 'parallelism.chunks': 's2c1'})."""
     placement, sync = composition(cfg)
     label = {"parallelism": cfg.name}
-    if STRATEGIES[cfg.name][1] is None:  # the sync is a choice of its own: say which
-        label["parallelism.engine"] = sync.name
+    if len(STRATEGIES[cfg.name].syncs) > 1:  # the sync is the preset's choice: say which
+        label["parallelism.sync"] = sync.name
     if cfg.nprocs > 1:
         label["parallelism.nprocs"] = f"np{cfg.nprocs}"
     return label | placement.label(cfg) | sync.label(cfg)

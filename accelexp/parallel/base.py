@@ -9,7 +9,7 @@ A `Strategy` is a `Placement` × a `Sync`:
   allreduce (`ddp.DDPSync`), FSDP's sharded parameters (`fsdp.FSDPSync`) or Horovod's
   DistributedOptimizer (`horovod.HorovodSync`).
 
-`accelexp.parallel.STRATEGIES` names the pairs (`hybrid` is stages × DDP or Horovod). The
+`accelexp.parallel.STRATEGIES` names the presets (`hybrid` is stages × DDP or Horovod). The
 `Strategy` joins the world through its sync, lets its placement choose the devices, and builds
 the world's shape once (`WorldShape.build`). The loop wraps the model and optimizer and steps
 through it, reads the world's facts from its `shape` and sums numbers across processes through

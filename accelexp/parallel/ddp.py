@@ -1,6 +1,6 @@
 """`DDPSync`: replicas agree through DistributedDataParallel's gradient allreduce.
 
-`parallelism=ddp` is one device × DDP, one process per device; `hybrid` with `engine: ddp` is
+`parallelism=ddp` is one device × DDP, one process per device; `hybrid` with `sync: ddp` is
 stages × DDP (DDP over a multi-device module, `device_ids=None`, as PyTorch's DDP + model-parallel
 recipe does). The world is torch.distributed's (`distributed.py`). Options: SyncBatchNorm, bucket
 size, static graph, gradient compression through DDP's comm hooks (fp16/bf16), and gradient

@@ -1,6 +1,6 @@
 """`HorovodSync`: replicas agree through Horovod, the recipe of its PyTorch examples, complete.
 
-`parallelism=horovod` is one device × Horovod; `hybrid` with `engine: horovod` is stages ×
+`parallelism=horovod` is one device × Horovod; `hybrid` with `sync: horovod` is stages ×
 Horovod (Horovod's layout for model parallelism: each worker has several GPUs and submits the
 same tensors as the others).
 

@@ -8,19 +8,20 @@ it.
 
 - `key_rules()`: (key, ok, allowed) for the keys a strategy adds to `parallelism`, as
   `validate`'s range rules are written.
-- `problems(cfg)`: combinations of the whole run config `cfg` the strategy cannot run (its
-  placement's, then its sync's).
+- `problems(cfg)`: combinations of the whole run config `cfg` the strategy cannot run: a
+  placement or sync its preset does not offer (naming the preset that does), else its
+  placement's, then its sync's.
 - `resource_problems(cfg, gpus)`: what the strategy needs of this machine beyond cores and memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from omegaconf import DictConfig
 
-from accelexp.parallel import HYBRID_ENGINES, STRATEGIES, SYNCS
+from accelexp.parallel import PLACEMENTS, STRATEGIES, SYNCS
 
 GRANULARITIES = ("block", "model")  # fsdp's units: one per block of the layer sequence | one
 # the override that puts more devices to work on one device (`base.Placement.scale_out_advice`;
@@ -40,47 +41,87 @@ MEMORY_ADVICE = [
     ("parallelism=model", "the layers (and their memory) split over several GPUs"),
     ("parallelism=hybrid", "stages over GPUs within each data-parallel replica"),
 ]
+# pairs no preset offers, and why (the others: no preset was made of them)
+UNPAIRED = {
+    ("stages", "fsdp"): (
+        "FSDP shards one model over the data-parallel workers, and hybrid's replicas are "
+        "pipelines of stages; sharding pipeline stages (2-D parallelism) is not supported"
+    ),
+}
 
 
 def key_rules() -> list[tuple[str, Callable[[Any], bool], str]]:
-    """The choices of hybrid's `engine` and fsdp's `granularity`. An engine that names a sync
-    which cannot pair with stages (fsdp) passes here: `problems` says why it cannot."""
+    """The names of the two parts, and fsdp's `granularity`. A part its preset does not offer
+    passes here: `problems` names the preset that does."""
     return [
-        (
-            "parallelism.engine",
-            lambda v: v in SYNCS and v != "none",
-            " or ".join(HYBRID_ENGINES),
-        ),
+        ("parallelism.placement", lambda v: v in PLACEMENTS, _either(PLACEMENTS)),
+        ("parallelism.sync", lambda v: v in SYNCS, _either(SYNCS)),
         ("parallelism.granularity", lambda v: v in GRANULARITIES, " or ".join(GRANULARITIES)),
     ]
 
 
 def problems(cfg: DictConfig) -> list[str]:
     """What the strategy of the run config `cfg` refuses of it, one indented line each."""
-    placement, sync = _parts(cfg.parallelism)
-    found = PLACEMENT_PROBLEMS.get(placement, _none)(cfg)
-    return found + SYNC_PROBLEMS.get(sync, _none)(cfg)
+    parallelism = cfg.parallelism
+    unoffered = _unoffered(parallelism)
+    if unoffered:  # the preset's other keys are another pair's: their rules would not apply
+        return [unoffered]
+    found = PLACEMENT_PROBLEMS.get(parallelism.placement, _none)(cfg)
+    return found + SYNC_PROBLEMS.get(parallelism.sync, _none)(cfg)
 
 
 def resource_problems(cfg: DictConfig, gpus: int) -> list[str]:
     """What the strategy of `cfg` needs of a machine with `gpus` usable GPUs and lacks."""
-    _, sync = _parts(cfg.parallelism)
-    return SYNC_RESOURCE_PROBLEMS.get(sync, lambda cfg, gpus: [])(cfg, gpus)
+    needs = SYNC_RESOURCE_PROBLEMS.get(cfg.parallelism.sync, lambda cfg, gpus: [])
+    return needs(cfg, gpus)
 
 
 def several_workers() -> list[str]:
     """The strategies that run `nprocs` worker processes (those whose replicas keep in sync),
     by name."""
-    return sorted(name for name, (_, sync) in STRATEGIES.items() if sync != "none")
+    return sorted(name for name, preset in STRATEGIES.items() if "none" not in preset.syncs)
 
 
-def _parts(parallelism: DictConfig) -> tuple[str | None, str | None]:
-    """The table's placement and sync names of `parallelism` (None: not in the table), without
-    refusing an engine: its problems are reported with the others."""
-    placement, sync = STRATEGIES.get(parallelism.name, (None, None))
-    if placement is not None and sync is None:
-        sync = parallelism.get("engine")
-    return placement, sync
+def _either(names: Iterable[str]) -> str:
+    """The names as "a, b or c"."""
+    *rest, last = names
+    return f"{', '.join(rest)} or {last}" if rest else last
+
+
+def _pick(name: str, sync: str) -> str:
+    """The override that picks preset `name` with `sync`: `parallelism=hybrid
+    parallelism.sync=horovod` where the preset chooses its sync, else `parallelism=ddp`."""
+    chosen = len(STRATEGIES[name].syncs) > 1
+    return f"parallelism={name}" + (f" parallelism.sync={sync}" if chosen else "")
+
+
+def _unoffered(parallelism: DictConfig) -> str:
+    """A placement or sync the preset `parallelism.name` does not offer, said with the preset
+    to pick instead; "" when it offers both (or a name is unknown: others say so)."""
+    preset = STRATEGIES.get(parallelism.name)
+    placement, sync = parallelism.placement, parallelism.sync
+    if preset is None or placement not in PLACEMENTS or sync not in SYNCS:
+        return ""
+    if placement == preset.placement and sync in preset.syncs:
+        return ""
+    typed = [f"parallelism.placement={placement}"] if placement != preset.placement else []
+    typed += [f"parallelism.sync={sync}"] if sync not in preset.syncs else []
+    said = (  # the preset first: `validate`'s example fix is then `parallelism=...`
+        f"  parallelism={parallelism.name} is a preset of {preset.placement} × "
+        f"{_either(preset.syncs)}, whose other keys are that pair's"
+    )
+    offering = [n for n, p in STRATEGIES.items() if p.placement == placement and sync in p.syncs]
+    if offering:
+        return f"{said}: for {' '.join(typed)} use {_pick(offering[0], sync)}."
+    # the presets of the same sync (every sync has one), then this one where it chooses its sync
+    near = [_pick(name, sync) for name, p in STRATEGIES.items() if sync in p.syncs]
+    if len(preset.syncs) > 1:
+        near.append(_pick(parallelism.name, preset.syncs[0]))
+    reason = UNPAIRED.get((placement, sync))
+    return (
+        f"{said}, and no preset is {placement} × {sync} ({' '.join(typed)})"
+        f"{f': {reason}' if reason else ''}. Use {_either(near)}."
+    )
 
 
 def _none(cfg: DictConfig) -> list[str]:
@@ -115,14 +156,7 @@ def _stages_problems(cfg: DictConfig) -> list[str]:
 
 
 def _fsdp_problems(cfg: DictConfig) -> list[str]:
-    """FSDP's shards as hybrid's engine; CUDA graphs over weights FSDP frees every step."""
-    if STRATEGIES[cfg.parallelism.name][0] == "stages":
-        return [
-            "  parallelism=hybrid with parallelism.engine=fsdp: FSDP shards one model over the "
-            "data-parallel workers, and hybrid's replicas are pipelines of stages; sharding "
-            "pipeline stages (2-D parallelism) is not supported. Use parallelism=fsdp (shards, "
-            "one device per worker), or hybrid with parallelism.engine=ddp or horovod."
-        ]
+    """CUDA graphs over weights FSDP frees every step."""
     if cfg.speed.compile == "reduce-overhead":
         return [
             "  speed.compile=reduce-overhead with parallelism=fsdp: CUDA graphs replay fixed "

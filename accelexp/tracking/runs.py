@@ -41,7 +41,7 @@ PARENT_RUN_ENV = "ACCELEXP_PARENT_RUN_ID"
 SWEEP_NAME_ENV = "ACCELEXP_SWEEP_NAME"
 SWEPT_KEYS_ENV = "ACCELEXP_SWEPT_KEYS"  # the keys a sweep varies, comma-separated
 # swept keys a run's name shows by their value alone: `amp`, not `precision=amp`
-SHOWN_BY_VALUE = {"model", "parallelism", "parallelism.engine", "precision"}
+SHOWN_BY_VALUE = {"model", "parallelism", "parallelism.sync", "precision"}
 RUN_ID_FILE = "mlflow_run_id"  # in a job's output dir once its run exists
 # Metrics are stored with this many significant digits, so the UI shows 0.91234 rather than
 # 0.9123400449752808: an accuracy on up to 100,000 samples keeps every digit, and the error
