@@ -344,6 +344,7 @@ RUN_BY = {
     "+experiment=memory_vs_speed": "tests/test_memory_study.py",  # the study's sweep
     "repeats=3": "tests/test_sweeps.py",  # repeats round-robin, one row per configuration
     "parallelism=fsdp model=vit_tiny": "tests/test_contract.py",  # FSDP workers train a ViT
+    "parallelism=ddp parallelism.nprocs=2 data=synthetic": "tests/test_contract.py",  # DDP workers
 }
 
 
