@@ -88,6 +88,7 @@ CASES = [
     # --- data ------------------------------------------------------------------------------
     case("data.name=foo", "data.name"),
     case("data=fashion_mnist data.root=/nonexistent", "/nonexistent"),
+    case(f"data=fashion_mnist data.root=/{'x' * 256}", "File name too long"),  # > NAME_MAX
     case(f"data=fashion_mnist data.root=${{oc.env:{UNSET}}}", UNSET),
     case("data.root=/tmp", "data.root applies only to"),  # synthetic reads no files
     case("data.batch_size=1000000000", "data.batch_size"),

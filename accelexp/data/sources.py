@@ -69,15 +69,27 @@ def _given_root(cfg: DictConfig, holds: str) -> Path | None:
     if not cfg.root:
         return None
     root = Path(cfg.root).expanduser()
-    ours = root.resolve().is_relative_to(DEFAULT_DOWNLOAD_ROOT.resolve())
-    if root.exists() and not root.is_dir():
-        raise DatasetNotFoundError(f"data.root={cfg.root} is a file, not a folder: {holds}.")
-    if not root.exists() and not ours:
+    fix = f"point data.root at the folder that holds {holds}, or leave data.root=null for the "
+    fix += "default places."
+    try:
+        ours = root.resolve().is_relative_to(DEFAULT_DOWNLOAD_ROOT.resolve())
+        exists, is_dir = root.exists(), root.is_dir()
+    except OSError as error:  # a name too long for the file system, a folder it cannot read
         raise DatasetNotFoundError(
-            f"data.root={cfg.root} does not exist: point data.root at the folder that holds "
-            f"{holds}, or leave data.root=null for the default places."
-        )
+            f"data.root={_shown(cfg.root)} cannot be used ({error.strerror}): {fix}"
+        ) from None
+    if exists and not is_dir:
+        raise DatasetNotFoundError(f"data.root={cfg.root} is a file, not a folder: {holds}.")
+    if not exists and not ours:
+        raise DatasetNotFoundError(f"data.root={cfg.root} does not exist: {fix}")
     return root
+
+
+def _shown(text: str, most: int = 120) -> str:
+    """`text`, or its start and end around an ellipsis when it is longer than `most`."""
+    if len(text) <= most:
+        return text
+    return f"{text[: most // 2]}…{text[-most // 4 :]} ({len(text)} characters)"
 
 
 # --- Fashion-MNIST ---------------------------------------------------------------------------
