@@ -12,6 +12,13 @@ the state reaches the others by broadcast (`Strategy.broadcast_object`), so no r
 another node's disk. Files are written to a temporary name, flushed and renamed: a checkpoint is
 whole or absent, never half-written, whenever the job is stopped.
 
+Each file gets its record, written last beside it (`last.pt.json`: its size and sha256, and the
+MLflow run it belongs to), and is checked against it before it is read (`load`); a file without
+one (written before records existed, or stopped between the rename and the record) is checked
+by `torch.load` alone. The `last.pt` replaced by a new one is kept as `previous.pt` (with its
+record), so a checkpoint cut short or altered on disk (`CheckpointError`) names a good one to
+continue from.
+
 `resume` picks the checkpoint to continue from (`find_resume`); a restarted job — torchrun's
 `--max-restarts`, a Slurm requeue — always continues from its own folder's.
 """
@@ -19,6 +26,9 @@ whole or absent, never half-written, whenever the job is stopped.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import logging
 import os
 import random
 import shutil
@@ -34,7 +44,9 @@ from accelexp import signals
 from accelexp.config.identity import training_config
 from accelexp.errors import AccelexpError, ConfigError
 
-LAST, BEST = "last.pt", "best.pt"
+log = logging.getLogger(__name__)
+
+LAST, BEST, PREVIOUS = "last.pt", "best.pt", "previous.pt"
 # restarts of one job: torchrun's restarts of its workers, Slurm's requeues of a job
 RESTART_ENV = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 
@@ -80,19 +92,55 @@ class StorageError(AccelexpError):
     """A checkpoint could not be written (a full disk, a path that is not a writable folder)."""
 
 
-def save(path: Path, payload: Mapping[str, Any]) -> None:
-    """Write `payload` to `path` atomically: a temporary file, flushed to disk, then renamed.
-    On failure the previous file at `path` is left as it was."""
+class CheckpointError(AccelexpError):
+    """A checkpoint cannot be read: cut short, altered since it was written, or not one.
+    `run_id`: the MLflow run it belongs to, when its record or the previous one's says."""
+
+    def __init__(self, message: str, run_id: str | None = None) -> None:
+        super().__init__(message)
+        self.run_id = run_id
+
+
+def record_of(path: Path) -> Path:
+    """The record written beside a checkpoint: `last.pt` -> `last.pt.json`."""
+    return path.with_name(f"{path.name}.json")
+
+
+class _Digesting:
+    """A file being written, and the size and sha256 of what was written to it."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def save(path: Path, payload: Mapping[str, Any], *, keep_previous: bool = False) -> None:
+    """Write `payload` to `path` atomically: a temporary file, flushed to disk, then renamed;
+    then its record (size, sha256, MLflow run). On failure the previous file at `path` is left
+    as it was; with `keep_previous` it is also kept as `previous.pt` once the new one is whole."""
     tmp = path.with_name(f".{path.name}.tmp")
     # a signal inside torch.save would surface as a RuntimeError: it stops the job after the write
     with signals.deferred():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as file:
-                torch.save(dict(payload), file)
+                written = _Digesting(file)
+                torch.save(dict(payload), written)
                 file.flush()
                 os.fsync(file.fileno())
+            if keep_previous:
+                _keep_as_previous(path)
+            record_of(path).unlink(missing_ok=True)  # no record of the old file for the new one
             tmp.replace(path)
+            record = {"size": written.size, "sha256": written.sha256.hexdigest()}
+            _write_whole(record_of(path), json.dumps({**record, "run_id": payload.get("run_id")}))
         except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
@@ -103,8 +151,99 @@ def save(path: Path, payload: Mapping[str, Any]) -> None:
             ) from error
 
 
+def _write_whole(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _keep_as_previous(path: Path) -> None:
+    """`path`, if whole, becomes `previous.pt` too (a hard link: no copy) with its record."""
+    if not path.is_file() or _problem(path, digest=False):
+        return
+    previous = path.with_name(PREVIOUS)
+    record_of(previous).unlink(missing_ok=True)
+    staged = previous.with_name(f".{PREVIOUS}.tmp")
+    staged.unlink(missing_ok=True)
+    try:
+        os.link(path, staged)
+    except OSError:  # a filesystem without hard links
+        shutil.copyfile(path, staged)
+    staged.replace(previous)
+    if record_of(path).is_file():
+        _write_whole(record_of(previous), record_of(path).read_text())
+
+
 def load(path: Path) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """Read a checkpoint, checked against its record first when it has one; `CheckpointError`,
+    naming the last good checkpoint beside it, when it cannot be read."""
+    problem = _problem(path)
+    if problem is None:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # miniz, unpickling, EOF: torch.load's many ways to say it
+            said = (str(error).splitlines() or [type(error).__name__])[0]
+            problem = f"torch.load cannot read it ({said[:200]})"
+    good = last_good(path)
+    then = (
+        f"The last good one is {good}: continue from it with resume={good}, or start afresh "
+        f"without resume."
+        if good
+        else "No good checkpoint is kept beside it: start afresh without resume."
+    )
+    raise CheckpointError(
+        f"The checkpoint {path} cannot be read: {problem}. {then}", _run_of(path) or _run_of(good)
+    )
+
+
+def last_good(path: Path) -> Path | None:
+    """The checkpoint kept beside `path` that is whole (`previous.pt` for a `last.pt`), if any."""
+    previous = path.with_name(PREVIOUS)
+    if path.name == LAST and previous.is_file() and not _problem(previous):
+        return previous
+    return None
+
+
+def _problem(path: Path, digest: bool = True) -> str | None:
+    """What is wrong with `path` by its record (its size; with `digest`, its sha256 too), or
+    None: it matches, or it has no record (`torch.load` will check it)."""
+    record = _record(path)
+    if record is None:
+        return None
+    if not isinstance(record, dict) or not {"size", "sha256"} <= record.keys():
+        return f"its record {record_of(path)} is unreadable"
+    try:
+        size = path.stat().st_size
+        if size != record["size"]:
+            return f"it is {size} bytes but was written as {record['size']} (cut short?)"
+        if digest and _sha256(path) != record["sha256"]:
+            return f"its sha256 is not the one {record_of(path).name} recorded when it was written"
+    except OSError as error:
+        return str(error)
+    return None
+
+
+def _record(path: Path) -> object:
+    """A checkpoint's record as written, None without one, "" if it cannot be parsed."""
+    try:
+        return json.loads(record_of(path).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return ""
+
+
+def _run_of(path: Path | None) -> str | None:
+    record = _record(path) if path is not None else None
+    return record.get("run_id") if isinstance(record, dict) else None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def training_state(
@@ -168,12 +307,14 @@ def find_resume(
     output_dir: Path,
     run_folder: Callable[[str], str | None],
     unfinished_folders: Callable[[], list[str]],
+    finished: Callable[[str], bool] = lambda run_id: False,
 ) -> Path | None:
     """The `last.pt` to continue from, or None to start afresh.
 
-    - a restarted job (`restarted()`), or `resume=auto` whose run folder holds one: that one;
-    - `resume=auto` otherwise: the newest unfinished run of this experiment with the same
-      training config that left one (`unfinished_folders()`, from MLflow), or None;
+    - a restarted job (`restarted()`): its own folder's;
+    - `resume=auto`: the run folder's own, else the newest unfinished run of this experiment with
+      the same training config that left one (`unfinished_folders()`, from MLflow); never one of
+      a run that `finished` (its MLflow run id): then a new run starts, and the log says so;
     - `resume=<MLflow run id>`: that run's (`run_folder(run_id)`);
     - `resume=<path>`: a `last.pt` file, a run folder, or its `checkpoints/` folder.
     """
@@ -183,10 +324,7 @@ def find_resume(
     if not request:
         return None
     if request == "auto":
-        if own.is_file():
-            return own
-        found = (Path(folder) / "checkpoints" / LAST for folder in unfinished_folders())
-        return next((path for path in found if path.is_file()), None)
+        return _unfinished(own, unfinished_folders, finished)
     path = Path(request)
     if not path.exists() and len(request) == 32 and request.isalnum():  # an MLflow run id
         folder = run_folder(request)
@@ -204,6 +342,36 @@ def find_resume(
         f"{path / 'checkpoints' / LAST}). Give a run folder, its last.pt, an MLflow run id, "
         f"or resume=auto."
     )
+
+
+def _unfinished(
+    own: Path, unfinished_folders: Callable[[], list[str]], finished: Callable[[str], bool]
+) -> Path | None:
+    """`resume=auto`'s checkpoint: `own`, else an unfinished run's; never a finished run's."""
+    found = (Path(folder) / "checkpoints" / LAST for folder in unfinished_folders())
+    of_finished: dict[Path, str] = {}  # checkpoints of finished runs -> their run id
+    for path in (own, *found):
+        if path.resolve() in of_finished or not path.is_file():
+            continue
+        run_id = _run_of(path) or _saved_run(path)
+        if run_id is None or not finished(run_id):
+            return path
+        of_finished[path.resolve()] = run_id
+    if of_finished:
+        runs = ", ".join(f"run {run_id} ({path})" for path, run_id in of_finished.items())
+        log.info("resume=auto: %s FINISHED, nothing is left unfinished: a new run.", runs)
+    return None
+
+
+def _saved_run(path: Path) -> str | None:
+    """The MLflow run id a checkpoint without a record holds (None if it cannot be read: then
+    `load` says why)."""
+    if record_of(path).is_file():
+        return None
+    try:
+        return load(path).get("run_id")
+    except CheckpointError:
+        return None
 
 
 def check_same_training(saved: Mapping[str, Any], current: Mapping[str, Any], path: Path) -> None:

@@ -40,6 +40,7 @@ from accelexp.engine import (
     optimizer_steps_per_epoch,
     throughput,
 )
+from accelexp.errors import AccelexpError
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
 from accelexp.parallel import connect, run_label
@@ -301,20 +302,35 @@ def _state_to_resume(
     cfg: DictConfig, output_dir: Path, tracker: Tracker, strategy: Strategy, resolved: dict
 ) -> tuple[dict | None, Path | None]:
     """The training state to continue from (`resume`, or a restarted job's own), and its file.
-    The main rank finds and reads it; the other ranks get it by broadcast, not from its disk."""
-    resume_from = state = None
+    The main rank finds and reads it; the other ranks get it by broadcast, not from its disk,
+    or the main rank's error, so every rank stops with the same message.
+
+    A checkpoint that cannot be read fails its run: the run is this job's (`RUN_ID_FILE`), and
+    closed FAILED with the error (`accelexp.tracking.runs.record_failure`), unless it FINISHED."""
+    resume_from = state = failure = None
     if strategy.shape.is_main:
-        resume_from = checkpoint.find_resume(
-            cfg.resume,
-            output_dir,
-            tracker.run_folder,
-            lambda: tracker.unfinished_run_folders(config_hash(resolved)),
-        )
-    if resume_from is not None:
-        state = checkpoint.load(resume_from)
-        checkpoint.check_same_training(state["config"], resolved, resume_from)
-        checkpoint.adopt_best(resume_from, output_dir / "checkpoints")
-    return strategy.sync.broadcast_object(state), resume_from
+        try:
+            resume_from = checkpoint.find_resume(
+                cfg.resume,
+                output_dir,
+                tracker.run_folder,
+                lambda: tracker.unfinished_run_folders(config_hash(resolved)),
+                lambda run_id: tracker.run_status(run_id) == outcome.FINISHED,
+            )
+            if resume_from is not None:
+                state = checkpoint.load(resume_from)
+                checkpoint.check_same_training(state["config"], resolved, resume_from)
+                checkpoint.adopt_best(resume_from, output_dir / "checkpoints")
+        except AccelexpError as error:
+            failure = error
+            run_id = getattr(error, "run_id", None)
+            if run_id and tracker.run_status(run_id) not in (None, outcome.FINISHED):
+                output_dir.mkdir(parents=True, exist_ok=True)
+                (output_dir / RUN_ID_FILE).write_text(run_id)
+    state, failure = strategy.sync.broadcast_object((state, failure))
+    if failure is not None:
+        raise failure
+    return state, resume_from
 
 
 class Fit:
@@ -438,7 +454,7 @@ class Fit:
             run_id=self.tracker.run_id,
             config=self.resolved,
         )
-        checkpoint.save(self.checkpoints / checkpoint.LAST, state)
+        checkpoint.save(self.checkpoints / checkpoint.LAST, state, keep_previous=True)
 
     def test(
         self,

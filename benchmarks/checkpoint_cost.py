@@ -1,7 +1,8 @@
 """What the per-epoch training-state checkpoint costs: `last.pt` written as `train.py` writes it.
 
 The full state (model, SGD with momentum, scheduler, RNG states) of torchvision's resnet18 and
-resnet50 (10 classes) is written with `accelexp.checkpoint.save` — temporary file, fsync, rename —
+resnet50 (10 classes) is written with `accelexp.checkpoint.save` — temporary file and its sha256,
+fsync, the one it replaces kept as previous.pt, rename, the record —
 `--repeats` times; the median wall and process CPU time per write is printed with the file size.
 This is paid once per epoch, outside the timed training steps (`samples_per_s`).
 
@@ -46,7 +47,7 @@ def cost(name: str, repeats: int) -> tuple[float, float, float]:
                 run_id=None,
                 config={},
             )
-            checkpoint.save(path, state)
+            checkpoint.save(path, state, keep_previous=True)
             walls.append(time.perf_counter() - wall)
             cpus.append(time.process_time() - cpu)
         size = path.stat().st_size / 2**20

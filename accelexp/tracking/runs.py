@@ -227,6 +227,15 @@ class Tracker:
         except MlflowException:
             return None
 
+    def run_status(self, run_id: str) -> str | None:
+        """Run `run_id`'s status (FINISHED, KILLED, ...), None if this store has no such run."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return self._client.get_run(run_id).info.status
+        except MlflowException:
+            return None
+
     def unfinished_run_folders(self, config_hash: str) -> list[str]:
         """Output folders of this experiment's runs of `config_hash` that did not finish (killed,
         failed, or still marked running), newest first."""
