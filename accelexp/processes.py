@@ -6,6 +6,11 @@ group nor the parent/child tree finds them all. The environment does: every proc
 starts inherits `ACCELEXP_JOB=<token>` (the launchers pass the environment on to their workers),
 and `stop_job` signals each process that carries the job's token: SIGTERM to the workers, so
 rank 0 can close its MLflow run, SIGKILL to the launchers and to whatever is left after `grace_s`.
+
+A process is also told apart from a later one that reuses its pid by when it started
+(`started_at`), and pids are only compared within one pid namespace (`pid_namespace`: two
+containers of one host name each count from 1): `is_gone` says whether the process a run
+recorded still lives.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from pathlib import Path
 
 JOB_ENV = "ACCELEXP_JOB"
 GRACE_S = 20.0  # for workers to close their run after SIGTERM, before SIGKILL
+# how far two readings of one process's start time may differ (the kernel counts in 1/100 s)
+START_TOLERANCE_S = 1.0
 WORKER_MODULE = "accelexp.worker"
 
 
@@ -37,6 +44,40 @@ def job_processes(token: str) -> list[int]:
             if marker in (entry / "environ").read_bytes().split(b"\0") and _alive(entry):
                 found.append(int(entry.name))
     return found
+
+
+def started_at(pid: int) -> float | None:
+    """When process `pid` started, in seconds since the epoch; None when no such process lives
+    (gone, or a zombie: it has exited, only its parent's wait is missing)."""
+    import psutil
+
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return process.create_time()
+    except psutil.NoSuchProcess:
+        return None
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace, `pid:[4026531836]`; "" where there is none to read."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def is_gone(pid: int, started: float) -> bool:
+    """Whether the process `pid` that started at `started` has ended: no such pid, or a later
+    process with its number. One this user may not inspect counts as alive."""
+    import psutil
+
+    try:
+        now = started_at(pid)
+    except psutil.Error:
+        return False
+    return now is None or abs(now - started) > START_TOLERANCE_S
 
 
 def _alive(proc: Path) -> bool:

@@ -130,12 +130,19 @@ PLACEMENT = "placement"  # where a replica's layers live (the strategy's first p
 SYNC = "sync"  # how replicas agree (its second part)
 SPEED = "speed"  # the speed switches on (SpeedSwitches.summary); each switch also its own tag
 DEVICE = "device"  # what one process computes on: `cpu`, `NVIDIA H200 x2`
-HOST = "host"
 CONFIG_HASH = "config_hash"  # the training a config describes (resume=auto looks runs up by it)
 CONFIG_ID = "config_id"  # the same less seed and repeat index: one row of the report per repeats
 OUTPUT_DIR = "output_dir"  # the job's folder, where its checkpoints are
 RESUMED_AFTER_EPOCH = "resumed_after_epoch"
 GIT_COMMIT = "git_commit"
+# where the run's process lives (tracking.runs, when the run starts or resumes; a sweep's parent
+# too): the next command on this host that opens the store marks a run still RUNNING whose
+# process is gone FAILED, with ENDED saying why (tracking.runs.heal_stale_runs)
+HOST = "host"  # the machine's name (platform.node())
+PID = "accelexp.pid"  # the process that tracks the run (a job's rank 0)
+PROCESS_START = "accelexp.process_start"  # when it started, s since the epoch: a reused pid differs
+PID_NAMESPACE = "accelexp.pid_namespace"  # the pids it counts among: another container's differ
+ENDED = "accelexp.ended"  # "process 1234 on host X is gone; found by run.py at <time>"
 # the user's own (`mlflow.tags`), that the speed-up ladder's rungs set (conf/rung)
 RUNG = "rung"
 RUNG_INDEX = "rung_index"

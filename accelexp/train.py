@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import logging
-import platform
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -256,7 +255,6 @@ def _run(
             **switches.tags(),
             record.DATA_PLACEMENT: placement,
             record.DEVICE: device_label(strategy),
-            record.HOST: platform.node(),
             record.CONFIG_HASH: config_hash(resolved),
             record.CONFIG_ID: config_id(resolved),
             record.OUTPUT_DIR: str(output_dir.resolve()),

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from accelexp.errors import AccelexpError
+from accelexp.record import ENDED
 from accelexp.report.compare import (
     BASELINE_KEYS,
     DEFAULT_BASELINE,
@@ -284,13 +285,11 @@ def _comparison(
     _print_tables(rows, rungs, f"{title} — baseline {args.baseline}", args.format, args.wide)
     plots = [*PLOT_NAMES, LADDER_PLOT] if rungs else list(PLOT_NAMES)
     _tell_written(written, out_dir, [] if args.no_plots else plots)
+    gone = {record.run_id: record.tags.get(ENDED) for record in records}
     for row in rows:
         if row.status == "FAILED":
-            print(
-                f"Run {row.run_name} ({row.run_id}) FAILED: its error is in the run's "
-                f"artifact error.txt",
-                file=sys.stderr,
-            )
+            why = gone.get(row.run_id) or "its error is in the run's artifact error.txt"
+            print(f"Run {row.run_name} ({row.run_id}) FAILED: {why}", file=sys.stderr)
 
 
 def _diagnosis(

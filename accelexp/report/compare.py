@@ -32,6 +32,10 @@ mean ± sd over repeats, time to target MLPerf's olympic mean. A run tagged `noi
 set aside: it is never behind a ratio or a baseline, a contended repeat is named in the note, a
 configuration with only contended runs is shown, marked, and compared with nothing.
 
+A run that did not finish is a row with its status and no figures; one still RUNNING (on another
+host, or alive here: the query failed this host's runs whose process is gone) says so in its
+note, as does a run failed that way (`status_note`).
+
 Pure: records in, rows out. A run from before a setting existed reads as that setting's default
 (`SETTING_DEFAULTS`: no `speed` tag is `eager`).
 """
@@ -54,7 +58,9 @@ from accelexp.record import (
     CONFIG_ID,
     DATA,
     DEVICE,
+    ENDED,
     FSDP_UNITS,
+    HOST,
     MODEL,
     NOISE,
     NOISE_CONTENDED,
@@ -80,6 +86,7 @@ from accelexp.record import (
 )
 from accelexp.stats import Estimate
 from accelexp.tracking.query import RunRecord
+from accelexp.tracking.runs import RUNNING
 
 DEFAULT_BASELINE = "world_size=1,precision=fp32"
 BASELINE_KEYS = (WORLD_SIZE, PRECISION, PARALLELISM, MODEL, DATA, SPEED)
@@ -340,6 +347,15 @@ def contention(record: RunRecord) -> str:
     return record.tags.get(NOISE_EVIDENCE) or "other work shared the machine"
 
 
+def status_note(record: RunRecord) -> str:
+    """Why a run that did not finish has no figures, where its status alone does not say it:
+    still running (and where), or gone without a word (how that was found); else ""."""
+    if record.status == RUNNING:
+        host = record.tags.get(HOST)
+        return f"still running{f' on {host}' if host else ''}: no figures until it ends"
+    return record.tags.get(ENDED, "")
+
+
 def repeat_label(record: RunRecord) -> str:
     index = record.tags.get(REPEAT_INDEX)
     return f"r{int(index) + 1}" if index not in (None, "") and index.isdigit() else record.name
@@ -467,6 +483,8 @@ def compare(
         )
         if grouped.finished:
             comparison.fill(row, grouped)
+        else:
+            row.note = status_note(record)
         rows.append(row)
     return sorted(rows, key=_sort_key)
 

@@ -9,7 +9,8 @@ timed time in percent, with the GPU's busy share, the communication hidden behin
 FLOP utilisation when the run logged them.
 
 A run without the time metrics (it predates the accounting, or stopped before its first epoch)
-keeps its row with blank figures and `NO_ACCOUNTING` as its note. Rows come in the main table's
+keeps its row with blank figures and `NO_ACCOUNTING` as its note; a run still RUNNING keeps its
+row with blank figures and says so (its epochs so far are no result). Rows come in the main table's
 order (`compare`). Pure: records in, rows out.
 """
 
@@ -29,8 +30,9 @@ from accelexp.record import (
     TIME_PARTS,
     time_s,
 )
-from accelexp.report.compare import compare, group
+from accelexp.report.compare import compare, group, status_note
 from accelexp.tracking.query import RunRecord
+from accelexp.tracking.runs import RUNNING
 
 SEGMENTS = TIME_PARTS  # time_s(segment): time/input_s...
 OPTIONAL_SEGMENTS = frozenset({"comm"})  # 0 when not logged (a single process never waits on one)
@@ -87,6 +89,8 @@ def _percent(record: RunRecord, key: str) -> float | None:
 
 
 def diagnosis_row(record: RunRecord) -> DiagnosisRow:
+    if record.status == RUNNING:
+        return DiagnosisRow(record.name, record.run_id, RUNNING, note=status_note(record))
     row = DiagnosisRow(
         run_name=record.name,
         run_id=record.run_id,
@@ -119,12 +123,18 @@ def diagnose(records: Sequence[RunRecord]) -> list[DiagnosisRow]:
 
 
 def footnote(rows: Sequence[DiagnosisRow]) -> str | None:
-    """The line under a readable table naming the runs without time accounting, if any."""
-    missing = [row.run_name for row in rows if not row.accounted]
-    if not missing:
-        return None
-    return (
-        f"— no {TIME_METRICS} metrics for {', '.join(missing)}: "
-        f"{'it predates' if len(missing) == 1 else 'they predate'} the time accounting "
-        f"(or stopped before an epoch ended)."
-    )
+    """The lines under a readable table naming the runs still running and those without time
+    accounting, if any."""
+    running = [row.run_name for row in rows if row.status == RUNNING]
+    missing = [row.run_name for row in rows if not row.accounted and row.status != RUNNING]
+    lines = []
+    if running:
+        ends = "it ends" if len(running) == 1 else "they end"
+        lines.append(f"— still running, no figures until {ends}: {', '.join(running)}.")
+    if missing:
+        lines.append(
+            f"— no {TIME_METRICS} metrics for {', '.join(missing)}: "
+            f"{'it predates' if len(missing) == 1 else 'they predate'} the time accounting "
+            f"(or stopped before an epoch ended)."
+        )
+    return "\n".join(lines) or None

@@ -468,7 +468,8 @@ def time_breakdown_figure(rows: Sequence[DiagnosisRow], subject: str) -> Any | N
         left = [start + share for start, share in zip(left, shares, strict=True)]
     for position, row in zip(positions, rows, strict=True):
         if not row.accounted:
-            axes.text(1, position, "no time accounting", va="center", color="0.4")
+            missing = "still running" if row.status == "RUNNING" else "no time accounting"
+            axes.text(1, position, missing, va="center", color="0.4")
     axes.set_yticks(positions, [_bar_label(row) for row in rows])
     axes.invert_yaxis()  # the table's first run on top
     axes.set_xlim(0, 100)

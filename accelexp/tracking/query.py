@@ -4,6 +4,10 @@ Every function takes the tracking URI and opens its own `MlflowClient`; what com
 data (`RunRecord`, lists of `(step, value)`), so the report never sees an MLflow object. Problems
 the user can fix (an unknown experiment or run, an empty selection, a missing store) are raised as
 `QueryError`s whose message says what exists or what to type instead.
+
+Selecting an experiment's or a sweep's runs first fails that experiment's runs this host left
+RUNNING whose process is gone (`accelexp.tracking.runs.heal_stale_runs`), so the report shows them
+as they ended; a run still RUNNING is one whose process lives, or one of another host.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from typing import Any
 
 from accelexp.errors import AccelexpError
 from accelexp.record import ELAPSED_S, PARENT_RUN, PEAK_MEM_MB, SAMPLES_PER_S, SWEEP_PARENT, VAL_ACC
-from accelexp.tracking.runs import check_reachable, store_lock
+from accelexp.tracking.runs import check_reachable, heal_stale_runs, store_lock
 
 HISTORY_KEYS = (SAMPLES_PER_S, VAL_ACC, ELAPSED_S, PEAK_MEM_MB)  # the report reads each epoch's
 PAGE_SIZE = 1000  # runs or experiments per search request
+HEALER = "accelexp-report"  # what a stale run's tag says found its process gone
 
 
 class QueryError(AccelexpError):
@@ -221,6 +226,7 @@ def child_runs(uri: str, parent_run_id: str) -> list[RunRecord]:
     """The runs of a sweep (children of `parent_run_id`), newest first, with histories."""
     parent = run_record(uri, parent_run_id)
     client = _client(uri)
+    heal_stale_runs(client, [parent.experiment_id], HEALER)
     with _mlflow_errors(uri):
         runs = _search_runs(
             client, [parent.experiment_id], f"tags.{PARENT_RUN} = '{parent_run_id}'"
@@ -231,6 +237,7 @@ def child_runs(uri: str, parent_run_id: str) -> list[RunRecord]:
 def experiment_runs(uri: str, experiment_id: str) -> list[RunRecord]:
     """Every run of an experiment except sweep parents, newest first, with histories."""
     client = _client(uri)
+    heal_stale_runs(client, [experiment_id], HEALER)
     with _mlflow_errors(uri):
         runs = _search_runs(client, [experiment_id])
         return [_record(client, run) for run in runs if not _is_sweep_parent(run)]

@@ -8,6 +8,13 @@ Only the main process tracks; on other ranks a `Tracker(enabled=False)` does not
 is checked before any data is loaded, so an unreachable tracking server stops the job at once
 instead of after an hour of training. Everything goes through `MlflowClient` (no global active
 run; `mlflow.pytorch` is given the run id), so one process can hold several runs, e.g. in tests.
+
+A run (and a sweep's parent) records where its process lives: host, pid namespace, pid and the
+process's start time (`where_it_runs`). A process killed without a word (SIGKILL, a reboot, a
+store that could not take the run's end) leaves its run RUNNING; the next command on that host
+that opens the store (`Tracker.connect`, the report's queries) marks it FAILED with the tag
+`accelexp.ended` saying why (`heal_stale_runs`). Runs of other hosts (or containers), and runs
+from before the tags, are left.
 """
 
 from __future__ import annotations
@@ -18,17 +25,19 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
-from accelexp import record
+from accelexp import processes, record
 from accelexp.errors import AccelexpError
 from accelexp.tracking import credentials
 
@@ -52,6 +61,8 @@ SWEEP_REPORT = "report/report.html"  # the sweep report's artifact on the sweep'
 LOCKED_RETRY_S = 120.0  # how long a write waits out a SQLite store locked by other writers
 # MLflow's run statuses a run is closed with (which one: `accelexp.outcome.status_of`)
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
+RUNNING = "RUNNING"  # a run's status while its process lives (and after it died without a word)
+MAX_RUNNING = 1000  # a store's RUNNING runs of one host that one healing looks at
 
 
 class TrackingUnavailableError(AccelexpError):
@@ -159,8 +170,10 @@ class Tracker:
         self._system_monitor = None
 
     # --- set-up --------------------------------------------------------------------------
-    def connect(self) -> None:
-        """Check the store and find or create the experiment (before any training)."""
+    def connect(self, heal: bool = True) -> None:
+        """Check the store and find or create the experiment (before any training); then, with
+        `heal`, fail the experiment's runs of this host whose process is gone
+        (`heal_stale_runs`)."""
         if not self.enabled:
             return
         check_reachable(self.cfg.tracking_uri)
@@ -178,6 +191,8 @@ class Tracker:
             raise TrackingUnavailableError(
                 f"Cannot use the MLflow store {self.cfg.tracking_uri}: {error}"
             ) from error
+        if heal:
+            heal_stale_runs(self._client, [self.experiment_id], "run.py")
 
     def _artifact_location(self) -> str | None:
         if self.cfg.artifact_location:
@@ -192,7 +207,7 @@ class Tracker:
             return
         from mlflow.entities import Param
 
-        tags = {**tags, **_git_tags(), **_sweep_tags()}
+        tags = {**tags, **_git_tags(), **_sweep_tags(), **where_it_runs()}
         run = self._client.create_run(self.experiment_id, run_name=run_name, tags=dict(tags))
         self.run_id = run.info.run_id
         items = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in params.items()]
@@ -208,11 +223,16 @@ class Tracker:
         log.info("MLflow run %s (%s) in experiment %r", run_name, self.run_id, self.cfg.experiment)
 
     def resume(self, run_id: str, epoch: int, output_dir: Path) -> None:
-        """Continue run `run_id` (RUNNING again): its metrics go on at the next epoch's step."""
+        """Continue run `run_id` (RUNNING again): its metrics go on at the next epoch's step.
+        It lives in this process now: its place is recorded (and how it ended before is
+        dropped) before it is RUNNING again, so no healing takes it for its old process's."""
         if not self.enabled:
             return
         self.run_id = run_id
-        self._client.update_run(run_id, status="RUNNING")
+        self._client.log_batch(run_id, tags=_tag_list(where_it_runs()))
+        if record.ENDED in self._client.get_run(run_id).data.tags:
+            self._client.delete_tag(run_id, record.ENDED)
+        self._client.update_run(run_id, status=RUNNING)
         self._client.set_tag(run_id, record.RESUMED_AFTER_EPOCH, str(epoch))
         self._client.set_tag(run_id, record.OUTPUT_DIR, str(output_dir.resolve()))
         log.info("MLflow run %s continues after epoch %d", run_id, epoch)
@@ -335,10 +355,8 @@ class Tracker:
     def set_tags(self, tags: Mapping[str, str]) -> None:
         if not self.enabled:
             return
-        from mlflow.entities import RunTag
-
         with self._writing("the tags"):
-            self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+            self._client.log_batch(self.run_id, tags=_tag_list(tags))
 
     def log_text(self, text: str, artifact_file: str) -> None:
         """`text` as the artifact `artifact_file` (e.g. diagnosis.md) of this run."""
@@ -477,7 +495,7 @@ def record_failure(
     """
     tracker = Tracker(cfg.mlflow)
     try:
-        tracker.connect()
+        tracker.connect(heal=False)  # the job's own run: its failure says why it ended
     except TrackingUnavailableError:
         return None
     id_file = Path(output_dir) / RUN_ID_FILE
@@ -504,7 +522,7 @@ def close_run(mlflow_cfg: DictConfig, output_dir: str | Path, status: str) -> No
         return
     tracker = Tracker(mlflow_cfg)
     try:
-        tracker.connect()
+        tracker.connect(heal=False)  # the job's own run: `status` says how it ended
         run_id = id_file.read_text().strip()
         if tracker._client.get_run(run_id).info.status != FINISHED:
             tracker._client.set_terminated(run_id, status=status)
@@ -522,7 +540,12 @@ def start_sweep(mlflow_cfg: DictConfig, name: str, grid: Mapping[str, str], swee
     tracker = Tracker(mlflow_cfg)
     tracker.connect()
     client = tracker._client
-    tags = {record.SWEEP_PARENT: "true", record.SWEEP_DIR: sweep_dir, **_git_tags()}
+    tags = {
+        record.SWEEP_PARENT: "true",
+        record.SWEEP_DIR: sweep_dir,
+        **_git_tags(),
+        **where_it_runs(),
+    }
     run_id = client.create_run(tracker.experiment_id, run_name=name, tags=tags).info.run_id
     items = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in grid.items()]
     for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
@@ -560,3 +583,73 @@ def _git_tags() -> dict[str, str]:
     except (OSError, subprocess.SubprocessError):
         return {}
     return {record.GIT_COMMIT: commit} if commit else {}
+
+
+def _tag_list(tags: Mapping[str, Any]) -> list[Any]:
+    from mlflow.entities import RunTag
+
+    return [RunTag(k, str(v)) for k, v in tags.items()]
+
+
+# --- stale runs: a run whose process is gone ---------------------------------------------
+
+
+def where_it_runs() -> dict[str, str]:
+    """This process as a run's tags: its host, its pid and when it started (a later process
+    that reuses the pid started later)."""
+    pid = os.getpid()
+    return {
+        record.HOST: platform.node(),
+        record.PID: str(pid),
+        record.PROCESS_START: f"{processes.started_at(pid):.2f}",
+        record.PID_NAMESPACE: processes.pid_namespace(),
+    }
+
+
+def heal_stale_runs(client: Any, experiment_ids: Sequence[str], found_by: str) -> int:
+    """Mark FAILED the runs of `experiment_ids` this host left RUNNING whose process is gone (no
+    such pid, or a pid that started at another time), each with the tag ENDED saying so; one
+    search for RUNNING runs, and one line when some were found. Returns how many. A run of
+    another host (or of another pid namespace: a container of the same host name), or one
+    without the tags (logged before them), is left as it is; a store that fails meanwhile is a
+    warning, never the command's failure."""
+    host, healed = platform.node(), 0
+    try:
+        running = client.search_runs(
+            list(experiment_ids),
+            filter_string=f"attributes.status = '{RUNNING}' and tags.{record.HOST} = '{host}'",
+            max_results=MAX_RUNNING,
+        )
+        for run in running:
+            process = _local_process(run.data.tags)
+            if process is None or not processes.is_gone(*process):
+                continue
+            latest = client.get_run(run.info.run_id)  # not resumed by a new process meanwhile
+            if latest.info.status != RUNNING or _local_process(latest.data.tags) != process:
+                continue
+            pid = process[0]
+            at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            reason = f"process {pid} on host {host} is gone; found by {found_by} at {at}"
+            client.set_tag(run.info.run_id, record.ENDED, reason)
+            client.set_terminated(run.info.run_id, status=FAILED)
+            healed += 1
+    except Exception as error:
+        cause = (str(error).strip() or type(error).__name__).splitlines()[0]
+        log.warning("Could not look for runs left RUNNING by processes now gone: %s", cause)
+    if healed:
+        log.warning(
+            "Marked %d run(s) FAILED that were left RUNNING by a process now gone (tag %s).",
+            healed, record.ENDED,
+        )  # fmt: skip
+    return healed
+
+
+def _local_process(tags: Mapping[str, str]) -> tuple[int, float] | None:
+    """(pid, start time) of the process a run's tags record, when it counts among this one's
+    pids; None when they record none (a run from before the tags) or another namespace's."""
+    if tags.get(record.PID_NAMESPACE) != processes.pid_namespace():
+        return None
+    try:
+        return int(tags[record.PID]), float(tags[record.PROCESS_START])
+    except (KeyError, ValueError):
+        return None
