@@ -57,15 +57,15 @@ class MlflowSweep(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from accelexp.tracking.runs import start_sweep
 
-        # user:password@ in the tracking URI: into MLflow's env variables (the jobs inherit them),
-        # out of the overrides the jobs are composed from and of multirun.yaml, written after this
-        with read_write(config), open_dict(config):
-            overrides = [*config.hydra.overrides.task, config.hydra.job.override_dirname]
-            *overrides, dirname = outcome.keep_credentials_out(config.mlflow, overrides)
-            config.hydra.overrides.task = overrides
-            config.hydra.job.override_dirname = dirname
-        grid = sweep_grid(config)
         try:
+            # user:password@ in the tracking URI: into the environment (the jobs inherit it), out
+            # of the overrides the jobs are composed from and of multirun.yaml, written after this
+            with read_write(config), open_dict(config):
+                overrides = [*config.hydra.overrides.task, config.hydra.job.override_dirname]
+                *overrides, dirname = outcome.keep_credentials_out(config.mlflow, overrides)
+                config.hydra.overrides.task = overrides
+                config.hydra.job.override_dirname = dirname
+            grid = sweep_grid(config)
             self.run_id = start_sweep(config.mlflow, sweep_name(grid), grid, config.hydra.sweep.dir)
         except Exception as error:
             # Hydra turns a callback's exception into a warning and runs the jobs anyway: without
