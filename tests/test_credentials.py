@@ -281,6 +281,7 @@ def _said_once(text: str) -> bool:
         ("postgresql+psycopg", "Cannot connect to the MLflow store postgresql+psycopg://127.0.0.1"),
         ("mysql", "PGPASSWORD or ~/.pgpass"),  # its driver reads the password from the URI only
     ],
+    ids=["postgresql", "mysql"],
 )
 def test_a_database_uri_with_a_password_fails_at_once_and_keeps_it_nowhere(
     scheme, said, tmp_path, cli
@@ -298,8 +299,8 @@ def test_a_database_uri_with_a_password_fails_at_once_and_keeps_it_nowhere(
     assert files_with_secret(tmp_path) == []
 
 
-def test_a_password_in_the_artifact_location_is_refused(tmp_path, cli, tracking_uri):
-    result = cli(f"mlflow.tracking_uri={tracking_uri}",
+def test_a_password_in_the_artifact_location_is_refused(tmp_path, cli):
+    result = cli(f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",  # refused before it opens
                  f"mlflow.artifact_location=ftp://u:{SECRET}@127.0.0.1/artifacts",
                  "data=synthetic", *TINY_DATA, *TINY_RUN, tmp_path=tmp_path)  # fmt: skip
     text = output_of(result)
@@ -363,3 +364,16 @@ def test_a_database_that_never_answers_is_said_within_the_timeout():
             check_reachable(uri, timeout_s=1)
     assert time.monotonic() - start < 10
     assert SECRET not in str(error.value) and "u:***@127.0.0.1" in str(error.value)
+
+
+def test_a_job_that_fails_by_a_bug_prints_no_password(tmp_path, cli, monkeypatch):
+    def bug(*args: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("accelexp.launch.launch", bug)  # Hydra then prints the job's overrides
+    result = cli(f"mlflow.tracking_uri=postgresql+psycopg://u:{SECRET}@127.0.0.1:1/db",
+                 "data=synthetic", *TINY_DATA, *TINY_RUN, tmp_path=tmp_path)  # fmt: skip
+    text = output_of(result)
+    assert result.returncode == 1 and "Error executing job with overrides" in text, text
+    assert "u:***@127.0.0.1:1/db" in text and SECRET not in text
+    assert files_with_secret(tmp_path) == []
