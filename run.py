@@ -34,13 +34,17 @@ def main(cfg: DictConfig) -> float | None:
     from accelexp.launch import launch  # torch loads after Hydra has parsed the command line
     from accelexp.parallel import run_label
     from accelexp.parallel.world import current_world
+    from accelexp.tracking.credentials import PasswordInUriError
     from accelexp.tracking.runs import RUN_ID_FILE, close_run, record_failure, run_tags
 
     hydra_cfg = HydraConfig.get()
     output_dir = hydra_cfg.runtime.output_dir
     overrides = OmegaConf.to_container(hydra_cfg.overrides.task)  # as typed: ${...} unresolved
-    # user:password@ in the tracking URI: into MLflow's env variables, out of all that is recorded
-    overrides = outcome.keep_credentials_out(cfg.mlflow, overrides, output_dir)
+    try:  # user:password@ in the tracking URI: into the environment, out of all that is recorded
+        overrides = outcome.keep_credentials_out(cfg.mlflow, overrides, output_dir)
+    except PasswordInUriError as error:  # said here: Hydra would print the overrides, password too
+        log.error("%s", error)
+        sys.exit(outcome.EXIT_BAD_INPUT)
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
     # a reused run folder: the run recorded there is another job's, never this one's to close
     (Path(output_dir) / RUN_ID_FILE).unlink(missing_ok=True)

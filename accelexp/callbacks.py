@@ -10,6 +10,9 @@ has no parent. A sweep whose parent cannot be opened (an unreachable tracking se
 before its first job, exit 2; one whose parent cannot be closed exits 1. While its jobs run the
 callback is registered with the `accelexp.outcome.SweepState` of the `run_main` running it,
 which closes the parent on a signal or error between jobs and exits 1 after failed jobs.
+
+`NoPasswords` hides the passwords of URIs in a job's overrides as Hydra prints them when the job's
+error ends `run.py` ("Error executing job with overrides: [...]").
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from hydra.core.utils import JobReturn
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, open_dict, read_write
 
@@ -57,15 +61,15 @@ class MlflowSweep(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from accelexp.tracking.runs import start_sweep
 
-        # user:password@ in the tracking URI: into MLflow's env variables (the jobs inherit them),
-        # out of the overrides the jobs are composed from and of multirun.yaml, written after this
-        with read_write(config), open_dict(config):
-            overrides = [*config.hydra.overrides.task, config.hydra.job.override_dirname]
-            *overrides, dirname = outcome.keep_credentials_out(config.mlflow, overrides)
-            config.hydra.overrides.task = overrides
-            config.hydra.job.override_dirname = dirname
-        grid = sweep_grid(config)
         try:
+            # user:password@ in the tracking URI: into the environment (the jobs inherit it), out
+            # of the overrides the jobs are composed from and of multirun.yaml, written after this
+            with read_write(config), open_dict(config):
+                overrides = [*config.hydra.overrides.task, config.hydra.job.override_dirname]
+                *overrides, dirname = outcome.keep_credentials_out(config.mlflow, overrides)
+                config.hydra.overrides.task = overrides
+                config.hydra.job.override_dirname = dirname
+            grid = sweep_grid(config)
             self.run_id = start_sweep(config.mlflow, sweep_name(grid), grid, config.hydra.sweep.dir)
         except Exception as error:
             # Hydra turns a callback's exception into a warning and runs the jobs anyway: without
@@ -114,3 +118,10 @@ class MlflowSweep(Callback):
         self.state.ended(failed)
         what = "Report" if report else "Parent run"
         log.info("Sweep done: %d runs, %d failed. %s: %s", children, failed, what, link)
+
+
+class NoPasswords(Callback):
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        from accelexp.tracking.credentials import redact
+
+        job_return.overrides = [redact(override) for override in job_return.overrides or []]

@@ -11,9 +11,9 @@ status it is closed with — FINISHED, KILLED for a signal or a `SystemExit` (su
 FAILED for any other error.
 
 Credentials: `keep_credentials_out` is the one place the tracking URI's `user:password@` is moved
-into MLflow's environment and taken out of what is recorded and printed (the config, the command
-line's overrides, the files Hydra wrote before accelexp ran); `accelexp.tracking.credentials` is
-how.
+into the environment (MLflow's variables, libpq's for PostgreSQL) and taken out of what is recorded
+and printed (the config, the command line's overrides, the files Hydra wrote before accelexp ran),
+or refused where it cannot move; `accelexp.tracking.credentials` is how.
 
 A sweep: the callback that opened its parent run (`accelexp.callbacks.MlflowSweep`) registers with
 the `SweepState` of the `run_main` that runs it (`sweep_state`, `current_sweep_state`), so a signal
@@ -98,15 +98,18 @@ def exit_code(error: BaseException) -> int:
 def keep_credentials_out(
     mlflow_cfg: DictConfig, texts: Sequence[str], hydra_folder: str | Path | None = None
 ) -> list[str]:
-    """Move the `user:password@` of `mlflow_cfg.tracking_uri` into MLflow's environment (worker
-    processes and a sweep's jobs inherit it), leave the URI without it, hide the password in
-    the files Hydra wrote into `hydra_folder`, and return `texts` (overrides) without any."""
+    """Hide the passwords of `mlflow_cfg`'s URIs in the files Hydra wrote into `hydra_folder`,
+    move the `user:password@` of its tracking URI into the environment its client reads (worker
+    processes and a sweep's jobs inherit it), leave the URI without it, and return `texts`
+    (overrides) without any. A password that cannot move (a MySQL store's, one in
+    `artifact_location`) is refused: `credentials.PasswordInUriError`."""
     from accelexp.tracking import credentials
 
-    typed_uri = mlflow_cfg.tracking_uri
-    mlflow_cfg.tracking_uri = credentials.use_uri_credentials(typed_uri)
+    typed_uri, artifact_location = mlflow_cfg.tracking_uri, mlflow_cfg.get("artifact_location")
     if hydra_folder is not None:
-        credentials.scrub_hydra_files(hydra_folder, typed_uri)
+        credentials.scrub_hydra_files(hydra_folder, typed_uri, artifact_location)
+    credentials.refuse_password("mlflow.artifact_location", artifact_location)
+    mlflow_cfg.tracking_uri = credentials.use_uri_credentials(typed_uri)
     return [credentials.strip(text) for text in texts]
 
 

@@ -9,8 +9,11 @@ password. A small HTTP server that does demand basic auth checks that the creden
 from __future__ import annotations
 
 import base64
+import contextlib
 import http.server
 import os
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -47,8 +50,16 @@ def test_split_takes_the_credentials_out_of_an_http_uri():
     assert credentials.split("http://token@host:5000") == ("http://host:5000", "token", None)
 
 
+def test_split_takes_the_credentials_out_of_a_postgresql_uri():
+    assert credentials.split(f"postgresql+psycopg://u:{SECRET}@db:5432/mlflow") == (
+        "postgresql+psycopg://db:5432/mlflow",
+        "u",
+        SECRET,
+    )
+
+
 @pytest.mark.parametrize(
-    "uri", ["http://127.0.0.1:5000", "sqlite:///outputs/mlflow.db", "postgresql://u:p@db/mlflow"]
+    "uri", ["http://127.0.0.1:5000", "sqlite:///outputs/mlflow.db", "mysql://u:p@db/mlflow"]
 )
 def test_split_leaves_other_uris_whole(uri):
     assert credentials.split(uri) == (uri, None, None)
@@ -61,6 +72,9 @@ def test_redact_and_strip_hide_the_password_in_any_text():
     )
     assert credentials.strip(text) == "mlflow.tracking_uri=http://127.0.0.1:5000 precision=bf16"
     assert credentials.redact("postgresql://u:pw@db:5432/x") == "postgresql://u:***@db:5432/x"
+    database, passwordless = "postgresql+psycopg://u:pw@db/x", "mysql://u@db/x"
+    assert credentials.strip(database) == "postgresql+psycopg://db/x"
+    assert credentials.strip(passwordless) == passwordless  # no password, no variable: it stays
     untouched = "http://127.0.0.1:5000/#/experiments/1 sqlite:///a/b.db epochs=2"
     assert credentials.redact(untouched) == credentials.strip(untouched) == untouched
 
@@ -74,6 +88,23 @@ def test_the_credentials_go_to_mlflows_variables(monkeypatch):
     assert clean == "http://127.0.0.1:5000"
     assert os.environ[credentials.USERNAME_ENV] == "alice"
     assert os.environ[credentials.PASSWORD_ENV] == SECRET
+
+
+def test_a_postgresql_password_goes_to_libpqs_variables(monkeypatch):
+    monkeypatch.delenv("PGUSER", raising=False)
+    monkeypatch.delenv("PGPASSWORD", raising=False)
+    clean = credentials.use_uri_credentials(f"postgresql://u:{SECRET}@db/mlflow")
+    assert clean == "postgresql://db/mlflow"
+    assert (os.environ["PGUSER"], os.environ["PGPASSWORD"]) == ("u", SECRET)
+
+
+@pytest.mark.parametrize(
+    "uri", [f"mysql://u:{SECRET}@db/mlflow", f"mssql+pyodbc://u:{SECRET}@db/mlflow"]
+)
+def test_a_password_no_variable_carries_is_refused(uri):
+    with pytest.raises(credentials.PasswordInUriError, match="PGPASSWORD") as error:
+        credentials.use_uri_credentials(uri)
+    assert SECRET not in str(error.value) and "u:***@db" in str(error.value)
 
 
 def test_hydra_files_are_scrubbed(tmp_path):
@@ -233,3 +264,116 @@ def test_a_sweep_with_a_password_in_the_uri_works_and_keeps_it_nowhere(server, t
     assert (tmp_path / "sweep" / "multirun.yaml").is_file()
     assert SECRET not in text
     assert files_with_secret(tmp_path, store) == []
+
+
+# --- a database store -----------------------------------------------------------------------
+
+
+def _said_once(text: str) -> bool:
+    """One message: a single line that is not a warning, and no traceback."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    return len(lines) == 1 and "Traceback" not in text
+
+
+@pytest.mark.parametrize(
+    "scheme, said",
+    [
+        ("postgresql+psycopg", "Cannot connect to the MLflow store postgresql+psycopg://127.0.0.1"),
+        ("mysql", "PGPASSWORD or ~/.pgpass"),  # its driver reads the password from the URI only
+    ],
+    ids=["postgresql", "mysql"],
+)
+def test_a_database_uri_with_a_password_fails_at_once_and_keeps_it_nowhere(
+    scheme, said, tmp_path, cli
+):
+    start = time.monotonic()
+    result = cli(f"mlflow.tracking_uri={scheme}://u:{SECRET}@127.0.0.1:{free_port()}/db",
+                 "data=synthetic", *TINY_DATA, *TINY_RUN, tmp_path=tmp_path)  # fmt: skip
+    took = time.monotonic() - start
+    text = output_of(result)
+    assert result.returncode == 2, text
+    assert said in text and _said_once(text), text
+    assert took < 30, f"{took:.1f} s"  # a hang guard: it says so in seconds (MLflow: ~110 s)
+    assert SECRET not in text
+    assert (tmp_path / "job" / ".hydra" / "overrides.yaml").is_file()
+    assert files_with_secret(tmp_path) == []
+
+
+def test_a_password_in_the_artifact_location_is_refused(tmp_path, cli):
+    result = cli(f"mlflow.tracking_uri=sqlite:///{tmp_path}/mlflow.db",  # refused before it opens
+                 f"mlflow.artifact_location=ftp://u:{SECRET}@127.0.0.1/artifacts",
+                 "data=synthetic", *TINY_DATA, *TINY_RUN, tmp_path=tmp_path)  # fmt: skip
+    text = output_of(result)
+    assert result.returncode == 2, text
+    assert "mlflow.artifact_location holds a password (ftp://u:***@" in text and _said_once(text)
+    assert SECRET not in text
+    assert files_with_secret(tmp_path) == []
+
+
+@pytest.fixture
+def postgres_door() -> Iterator[tuple[int, dict[str, str]]]:
+    """(port, what the client sent) of a socket that speaks PostgreSQL's start-up until it has
+    the client's user and password (in the clear), then refuses them as a server would."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    heard: dict[str, str] = {}
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            with conn:
+                while True:  # SSL / GSS encryption requests first: "N", not supported
+                    size, code = struct.unpack("!ii", conn.recv(8, socket.MSG_WAITALL))
+                    body = conn.recv(size - 8, socket.MSG_WAITALL)
+                    if code in (80877103, 80877104):
+                        conn.sendall(b"N")
+                        continue
+                    words = body.decode().rstrip("\0").split("\0")  # key, value, ...
+                    heard.update(zip(words[::2], words[1::2], strict=True))
+                    break
+                conn.sendall(b"R" + struct.pack("!ii", 8, 3))  # send the password in the clear
+                _, size = struct.unpack("!ci", conn.recv(5, socket.MSG_WAITALL))
+                heard["password"] = conn.recv(size - 4, socket.MSG_WAITALL).rstrip(b"\0").decode()
+                fields = b"SFATAL\0C28P01\0Mpassword authentication failed\0\0"
+                conn.sendall(b"E" + struct.pack("!i", len(fields) + 4) + fields)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1], heard
+    finally:
+        listener.close()
+        thread.join(timeout=10)
+
+
+def test_the_database_gets_the_password_kept_out_of_the_uri(postgres_door, tmp_path, cli):
+    port, heard = postgres_door
+    result = cli(f"mlflow.tracking_uri=postgresql+psycopg://u:{SECRET}@127.0.0.1:{port}/db",
+                 "data=synthetic", *TINY_DATA, *TINY_RUN, tmp_path=tmp_path)  # fmt: skip
+    text = output_of(result)
+    assert (heard.get("user"), heard.get("password")) == ("u", SECRET), text
+    assert result.returncode == 2 and "password authentication failed" in text, text
+    assert SECRET not in text
+    assert files_with_secret(tmp_path) == []
+
+
+def test_a_database_that_never_answers_is_said_within_the_timeout():
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # connects, never speaks
+        uri = f"postgresql+psycopg://u:{SECRET}@127.0.0.1:{silent.getsockname()[1]}/db"
+        start = time.monotonic()
+        with pytest.raises(TrackingUnavailableError, match=r"no answer in 1 s") as error:
+            check_reachable(uri, timeout_s=1)
+    assert time.monotonic() - start < 10
+    assert SECRET not in str(error.value) and "u:***@127.0.0.1" in str(error.value)
+
+
+def test_a_job_that_fails_by_a_bug_prints_no_password(tmp_path, cli, monkeypatch):
+    def bug(*args: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("accelexp.launch.launch", bug)  # Hydra then prints the job's overrides
+    result = cli(f"mlflow.tracking_uri=postgresql+psycopg://u:{SECRET}@127.0.0.1:1/db",
+                 "data=synthetic", *TINY_DATA, *TINY_RUN, tmp_path=tmp_path)  # fmt: skip
+    text = output_of(result)
+    assert result.returncode == 1 and "Error executing job with overrides" in text, text
+    assert "u:***@127.0.0.1:1/db" in text and SECRET not in text
+    assert files_with_secret(tmp_path) == []

@@ -56,7 +56,7 @@ from accelexp.report.html import write_html
 from accelexp.report.ladder import LadderRow, ladder, ladder_subject
 from accelexp.report.memory import MEMORY, MEMORY_PLOT, MemoryRow, memory_rows, write_memory_report
 from accelexp.report.plots import LADDER_PLOT, PLOT_NAMES, TIME_PLOT, write_plots, write_time_plot
-from accelexp.tracking import query
+from accelexp.tracking import credentials, query
 from accelexp.tracking.query import RunRecord
 
 DEFAULT_TRACKING_URI = "sqlite:///outputs/mlflow.db"
@@ -327,6 +327,6 @@ def main(argv: list[str] | None = None) -> int:
         report = _diagnosis if args.diagnose else _memory if args.memory else _comparison
         report(args, title, records, out_dir)
     except (AccelexpError, OSError) as error:
-        print(f"accelexp-report: error: {error}", file=sys.stderr)
+        print(f"accelexp-report: error: {credentials.redact(str(error))}", file=sys.stderr)
         return 2
     return 0

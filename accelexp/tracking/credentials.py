@@ -1,11 +1,15 @@
-"""Credentials in a tracking URI (`http://user:password@host:5000`): used, never written down.
+"""Credentials in a URI (`http://user:password@host:5000`, `postgresql://u:pw@db/x`): used,
+never written down.
 
-MLflow takes a tracking server's basic-auth credentials from `MLFLOW_TRACKING_USERNAME` and
-`MLFLOW_TRACKING_PASSWORD`; `use_uri_credentials` moves them there (worker processes and a sweep's
-jobs inherit them) and hands back the URI without them, so the config that is logged, saved and
-checkpointed never holds the password. What was recorded before that (Hydra's `.hydra/*.yaml`, the
-command line's overrides) is cleaned with `scrub_hydra_files` and `strip`; messages show URIs
-through `redact`.
+A tracking URI's credentials move to the environment variables its client reads them from:
+MLflow's `MLFLOW_TRACKING_USERNAME`/`MLFLOW_TRACKING_PASSWORD` for a tracking server (http(s)),
+libpq's `PGUSER`/`PGPASSWORD` for a PostgreSQL store (`ENV_OF`). `use_uri_credentials` moves them
+there (worker processes and a sweep's jobs inherit them) and hands back the URI without them, so
+the config that is logged, saved and checkpointed never holds the password. A password in any
+other URI (a MySQL or SQL Server store, `mlflow.artifact_location`) cannot move out of it: it is
+refused (`PasswordInUriError`) with the ways to give it instead. What was recorded before that
+(Hydra's `.hydra/*.yaml`, the command line's overrides) is cleaned with `scrub_hydra_files` and
+`strip`; messages show URIs through `redact`.
 """
 
 from __future__ import annotations
@@ -16,35 +20,64 @@ import re
 import urllib.parse
 from pathlib import Path
 
+from accelexp.errors import ConfigError
+
 USERNAME_ENV = "MLFLOW_TRACKING_USERNAME"
 PASSWORD_ENV = "MLFLOW_TRACKING_PASSWORD"
+# (user, password) variables by a URI's scheme (`postgresql+psycopg` by `postgresql`)
+ENV_OF = {
+    "http": (USERNAME_ENV, PASSWORD_ENV),
+    "https": (USERNAME_ENV, PASSWORD_ENV),
+    "postgresql": ("PGUSER", "PGPASSWORD"),  # libpq's: psycopg and psycopg2 read them
+    "postgres": ("PGUSER", "PGPASSWORD"),
+}
 HIDDEN = "***"
 
 # scheme://user:password@ (any scheme: a database URI's password is hidden in messages too)
 _USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^/\s@]*@")
-# http(s)://userinfo@ : what MLflow can take from the environment instead
-_HTTP_USERINFO = re.compile(r"(?P<head>\bhttps?://)[^/\s@]*@", re.IGNORECASE)
+# scheme://userinfo@ of the schemes whose credentials the environment carries (ENV_OF)
+_MOVED_USERINFO = re.compile(
+    r"(?P<head>\b(?:https?|postgres(?:ql)?(?:\+[A-Za-z0-9_]+)?)://)[^/\s@]*@", re.IGNORECASE
+)
+
+
+class PasswordInUriError(ConfigError):
+    """A URI holds a password that cannot be taken out of it and would be written down."""
+
+
+def _env_of(uri: str) -> tuple[str, str] | None:
+    return ENV_OF.get(urllib.parse.urlsplit(uri).scheme.lower().partition("+")[0])
+
+
+def _userinfo(uri: str) -> tuple[str | None, str | None]:
+    """(user, password) of `uri` as typed (percent-escapes kept), None where absent."""
+    netloc = urllib.parse.urlsplit(uri).netloc
+    if "@" not in netloc:
+        return None, None
+    user, has_password, password = netloc.rpartition("@")[0].partition(":")
+    return user, password if has_password else None
 
 
 def split(uri: str) -> tuple[str, str | None, str | None]:
     """`http://alice:s3cret@host:5000/x` -> ('http://host:5000/x', 'alice', 's3cret'),
-    percent-escapes decoded; other URIs, and http(s) ones without credentials, come back whole."""
-    parts = urllib.parse.urlsplit(uri)
-    if parts.scheme.lower() not in ("http", "https") or "@" not in parts.netloc:
+    percent-escapes decoded, for the schemes whose credentials the environment carries
+    (`ENV_OF`); other URIs, and those without credentials, come back whole."""
+    user, password = _userinfo(uri)
+    if _env_of(uri) is None or user is None:
         return uri, None, None
-    userinfo, _, host = parts.netloc.rpartition("@")
-    user, has_password, password = userinfo.partition(":")
-    clean = urllib.parse.urlunsplit(parts._replace(netloc=host))
+    parts = urllib.parse.urlsplit(uri)
+    clean = urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
     return (
         clean,
         urllib.parse.unquote(user) or None,
-        urllib.parse.unquote(password) if has_password else None,
+        None if password is None else urllib.parse.unquote(password),
     )
 
 
 def strip(text: str) -> str:
-    """Drop the `user:password@` of every http(s) URI in `text` (a command-line override, say)."""
-    return _HTTP_USERINFO.sub(r"\g<head>", text)
+    """Drop the `user:password@` of every URI in `text` (a command-line override, say) whose
+    credentials the environment carries: http(s), postgresql."""
+    return _MOVED_USERINFO.sub(r"\g<head>", text)
 
 
 def redact(text: str) -> str:
@@ -53,14 +86,39 @@ def redact(text: str) -> str:
 
 
 def use_uri_credentials(uri: str) -> str:
-    """Put the credentials of an http(s) tracking URI into MLflow's environment variables and
-    return the URI without them; any other URI is returned as it is."""
+    """Put the credentials of a tracking URI into the environment variables its client reads
+    (`ENV_OF`) and return the URI without them; a URI without credentials is returned as it is.
+    Raises `PasswordInUriError` for a password no variable can carry (a MySQL store, say)."""
+    env = _env_of(uri)
+    if env is None:
+        if _userinfo(uri)[1] is not None:
+            raise PasswordInUriError(
+                f"mlflow.tracking_uri holds a password ({redact(uri)}), which its database "
+                f"driver reads only from the URI, so it would be written into the run's records. "
+                f"Give it another way: a PostgreSQL store takes it from PGPASSWORD or ~/.pgpass "
+                f"(postgresql://USER@HOST/DB); or serve this store with `mlflow server "
+                f"--backend-store-uri URI` and set mlflow.tracking_uri=http://HOST:5000 with "
+                f"{USERNAME_ENV} and {PASSWORD_ENV}."
+            )
+        return uri
     clean, user, password = split(uri)
     if user is not None:
-        os.environ[USERNAME_ENV] = user
+        os.environ[env[0]] = user
     if password is not None:
-        os.environ[PASSWORD_ENV] = password
+        os.environ[env[1]] = password
     return clean
+
+
+def refuse_password(key: str, uri: str | None) -> None:
+    """Raise `PasswordInUriError` when `uri` (the value of `key`) holds a password; for URIs that
+    MLflow stores as they are (`mlflow.artifact_location`, kept with the experiment)."""
+    if uri and _userinfo(uri)[1] is not None:
+        raise PasswordInUriError(
+            f"{key} holds a password ({redact(uri)}), which MLflow would store with the "
+            f"experiment and its runs. Use a location whose credentials come from elsewhere "
+            f"(s3:// with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, sftp:// with an SSH key) or "
+            f"leave it null."
+        )
 
 
 def basic_auth_header(uri: str) -> dict[str, str]:
@@ -74,14 +132,16 @@ def basic_auth_header(uri: str) -> dict[str, str]:
     return {"Authorization": f"Basic {token}"}
 
 
-def scrub_hydra_files(folder: str | Path, uri: str) -> list[Path]:
-    """Replace the password of `uri` by `***` in what Hydra wrote into `folder` before accelexp
-    ran (`.hydra/*.yaml`, a sweep's `multirun.yaml`); returns the files changed."""
-    _, _, password = split(uri)
-    if not password:
+def scrub_hydra_files(folder: str | Path, *uris: str | None) -> list[Path]:
+    """Replace the passwords of `uris` (any scheme) by `***` in what Hydra wrote into `folder`
+    before accelexp ran (`.hydra/*.yaml`, a sweep's `multirun.yaml`); returns the files changed."""
+    secrets: set[str] = set()
+    for uri in uris:
+        typed = _userinfo(uri)[1] if uri else None
+        if typed:
+            secrets |= {typed, urllib.parse.unquote(typed)}
+    if not secrets:
         return []
-    typed = urllib.parse.urlsplit(uri).netloc.rpartition("@")[0].partition(":")[2]
-    secrets = sorted({typed, password}, key=len, reverse=True)
     folder = Path(folder)
     changed = []
     for path in [*sorted((folder / ".hydra").glob("*.yaml")), folder / "multirun.yaml"]:
@@ -89,7 +149,7 @@ def scrub_hydra_files(folder: str | Path, uri: str) -> list[Path]:
             continue
         text = path.read_text()
         scrubbed = text
-        for secret in secrets:
+        for secret in sorted(secrets, key=len, reverse=True):
             scrubbed = scrubbed.replace(secret, HIDDEN)
         if scrubbed != text:
             path.write_text(scrubbed)

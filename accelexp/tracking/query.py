@@ -79,7 +79,7 @@ def _client(uri: str) -> Any:
                 f"No MLflow store at {path} (tracking URI {uri}). Run a job first "
                 f"(`python run.py`) or pass --tracking-uri with the store the runs went to."
             )
-    elif uri.startswith(("http://", "https://")):
+    else:  # a server or a database: one that does not answer is said in seconds
         check_reachable(uri)
     from mlflow import MlflowClient
 

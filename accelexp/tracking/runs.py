@@ -27,8 +27,10 @@ import logging
 import os
 import platform
 import subprocess
+import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime, timezone
@@ -98,6 +100,9 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
             f"sqlite:///outputs/mlflow.db`), fix mlflow.tracking_uri, or use the local store: "
             f"mlflow.tracking_uri=sqlite:///outputs/mlflow.db"
         )
+    if _database_scheme(uri):
+        _check_database(uri, timeout_s)
+        return
     path = _sqlite_path(uri)
     if path is not None:
         try:
@@ -106,6 +111,59 @@ def check_reachable(uri: str, timeout_s: float = 5.0) -> None:
             raise TrackingUnavailableError(
                 f"Cannot create the folder of the MLflow store {uri}: {error}"
             ) from error
+
+
+def _database_scheme(uri: str) -> bool:
+    """A store MLflow opens with SQLAlchemy on a database server (postgresql, mysql, mssql)."""
+    from mlflow.store.db.db_types import DATABASE_ENGINES, SQLITE
+
+    scheme = urllib.parse.urlsplit(uri).scheme.lower().partition("+")[0]
+    return scheme in DATABASE_ENGINES and scheme != SQLITE
+
+
+def _check_database(uri: str, timeout_s: float) -> None:
+    """Connect to a database store once, for at most `timeout_s`: MLflow itself retries a
+    failed connection for ~100 s (`create_sqlalchemy_engine_with_retry`) before it says why."""
+    import sqlalchemy
+    from sqlalchemy.pool import NullPool
+
+    errors: list[BaseException | None] = []
+
+    def connect() -> None:
+        try:
+            engine = sqlalchemy.create_engine(uri, poolclass=NullPool)
+            with engine.connect():
+                pass
+            engine.dispose()
+        except Exception as error:  # the driver's, or its absence
+            errors.append(error)
+        else:
+            errors.append(None)
+
+    # a thread, so that no driver's own connect timeout (none by default in libpq) decides
+    thread = threading.Thread(target=connect, name="accelexp-store-check", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if errors == [None]:
+        return
+    shown = credentials.redact(uri)
+    local = "use the local store: mlflow.tracking_uri=sqlite:///outputs/mlflow.db"
+    error = errors[0] if errors else None
+    if isinstance(error, ImportError):
+        raise TrackingUnavailableError(
+            f"Cannot open the MLflow store {shown}: its database driver is not installed "
+            f"({error}). Install it (PostgreSQL's: pip install -e '.[postgres]') or {local}"
+        )
+    problem = f"no answer in {timeout_s:g} s" if error is None else _first_line(error)
+    raise TrackingUnavailableError(
+        f"Cannot connect to the MLflow store {shown} ({problem}). Start the database, fix "
+        f"mlflow.tracking_uri, or {local}"
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    """The driver's own message of a SQLAlchemy error, its first line."""
+    return str(getattr(error, "orig", None) or error).strip().splitlines()[0]
 
 
 @contextlib.contextmanager
@@ -189,7 +247,8 @@ class Tracker:
                     self.experiment_id = experiment.experiment_id
         except Exception as error:  # the store exists but cannot be opened or written
             raise TrackingUnavailableError(
-                f"Cannot use the MLflow store {self.cfg.tracking_uri}: {error}"
+                f"Cannot use the MLflow store {credentials.redact(self.cfg.tracking_uri)}: "
+                f"{credentials.redact(str(error))}"
             ) from error
         if heal:
             heal_stale_runs(self._client, [self.experiment_id], "run.py")
