@@ -91,8 +91,8 @@ def test_the_credentials_go_to_mlflows_variables(monkeypatch):
 
 
 def test_a_postgresql_password_goes_to_libpqs_variables(monkeypatch):
-    monkeypatch.delenv("PGUSER", raising=False)
-    monkeypatch.delenv("PGPASSWORD", raising=False)
+    monkeypatch.setenv("PGUSER", "")  # unset again after the test, as they were
+    monkeypatch.setenv("PGPASSWORD", "")
     clean = credentials.use_uri_credentials(f"postgresql://u:{SECRET}@db/mlflow")
     assert clean == "postgresql://db/mlflow"
     assert (os.environ["PGUSER"], os.environ["PGPASSWORD"]) == ("u", SECRET)

@@ -21,7 +21,14 @@ from mlflow.entities import Metric
 from accelexp import processes, record
 from accelexp.report import main
 from accelexp.tracking import Tracker, query
-from accelexp.tracking.runs import heal_stale_runs, start_sweep, where_it_runs
+from accelexp.tracking.runs import (
+    PARENT_RUN_ENV,
+    SWEEP_NAME_ENV,
+    SWEPT_KEYS_ENV,
+    heal_stale_runs,
+    start_sweep,
+    where_it_runs,
+)
 
 HERE = platform.node()
 
@@ -90,11 +97,15 @@ def test_opening_the_store_fails_this_hosts_runs_whose_process_is_gone(
     assert not [r for r in caplog.records if "left RUNNING" in r.getMessage()]
 
 
-def test_runs_and_sweep_parents_record_where_their_process_lives(compose_cfg, tracking_uri):
+def test_runs_and_sweep_parents_record_where_their_process_lives(
+    compose_cfg, tracking_uri, monkeypatch
+):
     cfg = compose_cfg()
     tracker = Tracker(cfg.mlflow)
     tracker.connect()
     tracker.start("here", {}, {})
+    for name in (PARENT_RUN_ENV, SWEEP_NAME_ENV, SWEPT_KEYS_ENV):  # which start_sweep sets:
+        monkeypatch.setenv(name, "")  # unset again after the test, as they were
     parent = start_sweep(cfg.mlflow, "sweep x=1,2", {"x": "1,2"}, "d")
     client = MlflowClient(tracking_uri=tracking_uri)
     pid, started = me()
