@@ -345,6 +345,7 @@ RUN_BY = {
     "repeats=3": "tests/test_sweeps.py",  # repeats round-robin, one row per configuration
     "parallelism=fsdp model=vit_tiny": "tests/test_contract.py",  # FSDP workers train a ViT
     "parallelism=ddp parallelism.nprocs=2 data=synthetic": "tests/test_contract.py",  # DDP workers
+    "-m precision=fp32,amp,bf16": "tests/test_sweeps.py",  # a sweep over precisions, its report
 }
 
 

@@ -20,7 +20,6 @@ from conftest import (
     REPO,
     compose_config,
     output_of,
-    run_cli,
 )
 from mlflow import MlflowClient
 
@@ -135,8 +134,10 @@ def test_a_crashing_worker_fails_the_job_with_its_error_and_leaves_nothing(
     assert leftover_workers(str(tmp_path / "out" / "workers")) == []
 
 
-def test_a_crashing_worker_through_run_py_fails_the_run_and_exits_non_zero(tmp_path, tracking_uri):
-    result = run_cli(
+def test_a_crashing_worker_through_run_py_fails_the_run_and_exits_non_zero(
+    tmp_path, tracking_uri, cli
+):
+    result = cli(
         "parallelism=ddp",
         "parallelism.nprocs=2",
         "debug.raise_on_rank=0",
