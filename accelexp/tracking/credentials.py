@@ -35,10 +35,8 @@ HIDDEN = "***"
 
 # scheme://user:password@ (any scheme: a database URI's password is hidden in messages too)
 _USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^/\s@]*@")
-# scheme://userinfo@ of the schemes whose credentials the environment carries (ENV_OF)
-_MOVED_USERINFO = re.compile(
-    r"(?P<head>\b(?:https?|postgres(?:ql)?(?:\+[A-Za-z0-9_]+)?)://)[^/\s@]*@", re.IGNORECASE
-)
+# scheme://userinfo@ (any userinfo: `strip` drops it where ENV_OF carries the scheme's)
+_ANY_USERINFO = re.compile(r"(?P<head>\b(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://)[^/\s@]*@")
 
 
 class PasswordInUriError(ConfigError):
@@ -46,7 +44,12 @@ class PasswordInUriError(ConfigError):
 
 
 def _env_of(uri: str) -> tuple[str, str] | None:
-    return ENV_OF.get(urllib.parse.urlsplit(uri).scheme.lower().partition("+")[0])
+    return _env_of_scheme(urllib.parse.urlsplit(uri).scheme)
+
+
+def _env_of_scheme(scheme: str) -> tuple[str, str] | None:
+    """ENV_OF's variables for `scheme` (`postgresql+psycopg` by `postgresql`)."""
+    return ENV_OF.get(scheme.lower().partition("+")[0])
 
 
 def _userinfo(uri: str) -> tuple[str | None, str | None]:
@@ -77,7 +80,9 @@ def split(uri: str) -> tuple[str, str | None, str | None]:
 def strip(text: str) -> str:
     """Drop the `user:password@` of every URI in `text` (a command-line override, say) whose
     credentials the environment carries: http(s), postgresql."""
-    return _MOVED_USERINFO.sub(r"\g<head>", text)
+    return _ANY_USERINFO.sub(
+        lambda found: found["head"] if _env_of_scheme(found["scheme"]) else found[0], text
+    )
 
 
 def redact(text: str) -> str:
