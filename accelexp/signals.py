@@ -68,6 +68,14 @@ def _stop(signum: int) -> None:
     raise Interrupted(signum)
 
 
+def ending() -> None:
+    """The process is ending on an error it is recording: from now on a signal (the launcher's
+    SIGTERM to the survivors, say) is logged and ignored, as while stopping, so the record is
+    made whole and the error stays the cause."""
+    global _stopping
+    _stopping = True
+
+
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
     """Run a block that must not be cut half-way; a signal received inside stops the job at its

@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
+import signal
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -110,7 +112,8 @@ def make_loaders(
 
 
 class DebugLoader:
-    """Test hooks: the loader of one rank raises at a given step (`debug.raise_on_rank`), the
+    """Test hooks: the loader of one rank raises at a given step (`debug.raise_on_rank`), or its
+    process dies by a signal there (`debug.raise_as`: SIGKILL as from the OOM killer), the
     loaders raise a real `torch.OutOfMemoryError` (`debug.raise_oom_at_step`), each batch
     arrives `debug.input_delay_ms` late (a slow input pipeline)."""
 
@@ -132,6 +135,8 @@ class DebugLoader:
         debug = self.debug
         for step, batch in enumerate(self.loader, start=1):
             if debug.raise_on_rank == self.rank and step == debug.raise_at_step:
+                if debug.raise_as != "error":  # as the OOM killer, a segfault: no error, no record
+                    os.kill(os.getpid(), signal.Signals[debug.raise_as])
                 raise RuntimeError(f"debug.raise_on_rank={self.rank}: failing at step {step}")
             if step == debug.raise_oom_at_step:
                 raise torch.OutOfMemoryError(

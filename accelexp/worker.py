@@ -2,8 +2,12 @@
 
 Started by a launcher (see `accelexp.launch`); reads the resolved config that the Hydra job saved
 in SPEC_DIR, trains as its rank, and on failure records its error in SPEC_DIR/errors/rank<N>.txt
-for the job to show. Rank 0 writes the final metrics to SPEC_DIR/result.json. SIGINT/SIGTERM
-stop the worker (`accelexp.signals`): rank 0 closes its run KILLED; exit 128 + the signal.
+for the job to show (a bug's traceback goes to the workers' output file, not the console). Rank 0
+writes the final metrics to SPEC_DIR/result.json. SIGINT/SIGTERM stop the worker
+(`accelexp.signals`): rank 0 closes its run KILLED; exit 128 + the signal.
+
+Its log records are the lines the job's console shows (`accelexp.launch.output`): one format,
+`[time][rank N][logger][LEVEL] - message`, a message's further lines indented.
 """
 
 from __future__ import annotations
@@ -23,12 +27,23 @@ from accelexp.errors import AccelexpError
 from accelexp.parallel.world import current_world
 
 
+class _Indented(logging.Formatter):
+    """A record's further lines (a traceback, a table) indented: they belong to it."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        first, *rest = super().format(record).split("\n")
+        return "\n".join([first, *(line if line[:1].isspace() else f"  {line}" for line in rest)])
+
+
 def main(spec: Path) -> int:
     """Train as this process's rank; the exit code."""
     world = current_world()
+    console = logging.StreamHandler()
+    console.setFormatter(
+        _Indented(f"[%(asctime)s][rank {world.rank}][%(name)s][%(levelname)s] - %(message)s")
+    )
     logging.basicConfig(
-        level=logging.INFO if world.rank == 0 else logging.WARNING,
-        format=f"[%(asctime)s][rank {world.rank}][%(name)s][%(levelname)s] - %(message)s",
+        level=logging.INFO if world.rank == 0 else logging.WARNING, handlers=[console]
     )
     cfg = OmegaConf.load(spec / "config.yaml")
     job = json.loads((spec / "job.json").read_text())
@@ -38,6 +53,7 @@ def main(spec: Path) -> int:
 
         metrics = run(cfg, job["output_dir"], job["overrides"])
     except BaseException as error:
+        signals.ending()
         # a message for the user, not a bug: no traceback
         ours = isinstance(error, AccelexpError | KeyboardInterrupt)
         record = spec / "errors" / f"rank{world.rank}.txt"
@@ -47,18 +63,38 @@ def main(spec: Path) -> int:
         )
         failed_at = getattr(error, "failed_at_ns", None) or time.time_ns()
         os.utime(record, ns=(failed_at, failed_at))  # the launcher orders failures by this
-        if isinstance(error, KeyboardInterrupt):
-            stop = signals.interruption(error)
-            logging.getLogger("accelexp").warning("Stopped by %s.", stop.name)
+        stop = signals.interruption(error) if isinstance(error, KeyboardInterrupt) else None
+        said = f"Stopped by {stop.name}" if stop else f"{type(error).__name__}: {_line(error)}"
+        log = logging.getLogger("accelexp")
+        if restart := _restart_to_come():  # the run goes on: not the job's end
+            log.warning(
+                "%s; torchrun restarts the world (restart %s), which continues the run from its "
+                "last checkpoint.",
+                said,
+                restart,
+            )
+        elif stop:
+            log.warning("%s.", said)
+        if stop:
             return outcome.exit_code(stop)
         if ours:
-            logging.getLogger("accelexp").error("%s", error)
             return outcome.EXIT_FAILED  # the launcher's job says it, and exits 2
-        traceback.print_exc()
+        traceback.print_exc()  # into the workers' output file, which the job's message names
         return 1
     if world.rank == 0:
         (spec / "result.json").write_text(json.dumps(metrics))
     return outcome.EXIT_OK
+
+
+def _restart_to_come() -> str | None:
+    """Which restart torchrun makes after this failure ("1 of 2": `--max-restarts`), if any."""
+    done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+    most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
+    return f"{done + 1} of {most}" if done < most else None
+
+
+def _line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:200]
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from mlflow import MlflowClient
 from accelexp import parallel
 from accelexp.config import ConfigError
 from accelexp.launch import WorkerFailedError, launch
+from accelexp.launch.output import ConsoleFilter
 from accelexp.parallel import build_strategy, connect
 from accelexp.parallel.base import ShardSampler
 from accelexp.parallel.rules import several_workers
@@ -115,23 +116,54 @@ def leftover_workers(marker: str) -> list[psutil.Process]:
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
-def test_a_crashing_worker_fails_the_job_with_its_error_and_leaves_nothing(
-    name, tmp_path, tracking_uri
+def test_a_worker_killed_without_a_word_is_named_as_the_cause_and_nothing_is_left(
+    name, tmp_path, tracking_uri, capfd
 ):
+    """rank 1 dies by SIGKILL (as by the OOM killer): no error of its own, only its launcher's
+    record; rank 0 then fails on the lost connection. The message names rank 1 and its signal
+    first, in a few lines, and the file where every worker's output is; the console showed the
+    workers' log records, not their tracebacks."""
     cfg = compose_config(
         tracking_uri,
         f"parallelism={name}",
         "parallelism.nprocs=2",
         "debug.raise_on_rank=1",
+        "debug.raise_as=SIGKILL",
         "debug.raise_at_step=2",
         "max_steps_per_epoch=5",
     )
     with pytest.raises(WorkerFailedError) as failure:
         launch(cfg, tmp_path / "out")
-    message = str(failure.value)
-    assert "First failure, rank1: RuntimeError: debug.raise_on_rank=1: failing at step 2" in message
+    lines = str(failure.value).splitlines()
+    assert lines[1].startswith("First failure, rank1: killed by SIGKILL, without an error")
+    assert lines[2].startswith("Then rank0: ")  # its consequence, in one line
+    output = tmp_path / "out" / "workers" / "output.log"
+    assert lines[-1] == f"Every worker's whole output: {output}"
+    assert len(lines) == 4
+    console = capfd.readouterr().err
+    training = "[rank 0][accelexp.train][INFO] - Training"
+    assert training in output.read_text()
+    assert training in console
+    assert "<stderr>:" not in console  # horovodrun's prefix of each line
     time.sleep(0.5)
     assert leftover_workers(str(tmp_path / "out" / "workers")) == []
+
+
+def test_the_console_shows_the_workers_log_records_and_not_the_rest():
+    show = ConsoleFilter()
+    output = {
+        "[1]<stderr>:[2026-12-02 15:53:40,327][rank 1][accelexp][WARNING] - Stopped.": True,
+        "[2026-12-02 15:53:40,327][rank 0][accelexp.diagnosis][INFO] - Diagnosis: ...": True,
+        "  try precision=bf16: half-width arithmetic": True,  # the record's next lines
+        "": True,
+        "Traceback (most recent call last):": False,
+        '  File "accelexp/step.py", line 64, in train_step': False,
+        "RuntimeError: Connection reset by peer": False,
+        "W1202 15:42:55.814000 3991 api.py:1028] Sending process 4008 closing signal": False,
+    }
+    shown = [show(line) for line in output]
+    assert [line is not None for line in shown] == list(output.values())
+    assert shown[0] == "[2026-12-02 15:53:40,327][rank 1][accelexp][WARNING] - Stopped."
 
 
 def test_a_crashing_worker_through_run_py_fails_the_run_and_exits_non_zero(

@@ -158,6 +158,8 @@ def test_torchrun_restarts_a_killed_worker_and_the_world_resumes(
     finally:
         job.kill_everything()
     assert "Resuming after epoch" in job.output
+    assert "torchrun restarts the world (restart 1 of 1)" in job.output
+    assert "Traceback" not in job.output  # the workers' are in their output file
     assert the_run(uri).info.status == "FINISHED"
     assert_same_training(*references(*FSDP), tmp_path / "job", uri)
 

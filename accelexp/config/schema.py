@@ -360,6 +360,11 @@ class DebugConfig:
 
     raise_on_rank: int | None = key(None, "this rank raises an error at raise_at_step")
     raise_at_step: int = key(1, "the step raise_on_rank raises at")
+    raise_as: str = key(
+        "error",
+        "how raise_on_rank fails: an error, or death by SIGKILL (as the OOM killer's)",
+        choices=("error", "SIGKILL"),
+    )
     input_delay_ms: float = key(0.0, "each training batch arrives this much later")
     raise_oom_at_step: int | None = key(None, "a real torch.OutOfMemoryError at this step")
 

@@ -3,16 +3,20 @@
 - Inside a world already (horovodrun, torchrun, srun, mpirun set the environment: see
   `parallel/world.py`), or with `nprocs: 1`, the job trains in this process.
 - Otherwise the strategy's real launcher starts `nprocs` workers on this machine: torch's elastic
-  launcher (`python -m torch.distributed.run`, i.e. torchrun) for DDP, `horovodrun --gloo` for
-  Horovod, and its sync's for `hybrid`. Each worker runs `python -m accelexp.worker SPEC_DIR`
-  on the *resolved* config saved there: workers do not re-run Hydra nor make output folders of
-  their own.
+  launcher (torchrun, `accelexp.launch.torchrun`) for DDP, `horovodrun --gloo`
+  (`accelexp.launch.horovodrun`) for Horovod, and its sync's for `hybrid`; both are the
+  launchers themselves, which also keep their record of how each worker ended
+  (`accelexp.launch.exits`). Each worker runs `python -m accelexp.worker SPEC_DIR` on the
+  *resolved* config saved there: workers do not re-run Hydra nor make output folders of their
+  own. Their whole output goes to `SPEC_DIR/output.log`; the console shows their log records
+  (`accelexp.launch.output`).
 
 A worker that fails brings the job down: the launcher stops the others, the job exits non-zero
-with that worker's error, and every process the job started is killed so nothing is left running
-(`accelexp.processes`: found by a token in their environment, across process sessions). SIGINT
-or SIGTERM stops every worker too (SIGTERM first, so rank 0 closes its run KILLED), and the
-launcher gets SIGTERM if this process dies.
+with one message naming the first rank to fail — by its error, or by the signal that killed it
+without one (`accelexp.launch.failures`) — and every process the job started is killed so nothing
+is left running (`accelexp.processes`: found by a token in their environment, across process
+sessions). SIGINT or SIGTERM stops every worker too (SIGTERM first, so rank 0 closes its run
+KILLED), and the launcher gets SIGTERM if this process dies.
 """
 
 from __future__ import annotations
@@ -22,18 +26,20 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from accelexp.config import ConfigError, validate
 from accelexp.errors import AccelexpError
+from accelexp.launch.failures import OomKills, clear, failure_message
+from accelexp.launch.output import WorkerOutput
 from accelexp.parallel import composition
 from accelexp.parallel.rules import several_workers
 from accelexp.parallel.world import current_world, port_in_use
@@ -89,10 +95,15 @@ def launch(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = (
         cfg.threads = max(1, len(os.sched_getaffinity(0)) // nprocs)
     spec = _write_spec(cfg, output_dir, overrides)
     command = LAUNCHERS[sync.launcher](cfg.parallelism, spec)
-    log.info("Starting %d %s workers: %s", nprocs, cfg.parallelism.name, " ".join(command))
-    returncode = _run_process_group(command, threads=cfg.threads)
+    what = f"{nprocs} {cfg.parallelism.name} workers"
+    log.info("Starting %s: %s", what, " ".join(command))
+    oom_kills = OomKills.now()
+    with WorkerOutput(spec, console=sys.stderr) as output:
+        log.info("Their whole output: %s", output.path)
+        returncode = _run_process_group(command, threads=cfg.threads, output=output.file)
     if returncode != 0:
-        raise WorkerFailedError(_failure_message(cfg, spec, returncode))
+        message = failure_message(what, spec, returncode, OomKills.now().since(oom_kills))
+        raise WorkerFailedError(message)
     return json.loads((spec / "result.json").read_text())
 
 
@@ -103,8 +114,7 @@ def _one_of(names: Sequence[str]) -> str:
 
 def _write_spec(cfg: DictConfig, output_dir: Path, overrides: Sequence[str]) -> Path:
     spec = output_dir / "workers"
-    shutil.rmtree(spec / "errors", ignore_errors=True)
-    (spec / "errors").mkdir(parents=True, exist_ok=True)
+    clear(spec)
     OmegaConf.save(cfg, spec / "config.yaml", resolve=True)
     (spec / "job.json").write_text(
         json.dumps({"output_dir": str(output_dir), "overrides": list(overrides)})
@@ -123,7 +133,7 @@ def _torchrun(cfg: DictConfig, spec: Path) -> list[str]:
     else:
         rendezvous = ["--standalone"]
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+        sys.executable, "-m", "accelexp.launch.torchrun", str(spec), "--nnodes=1",
         f"--nproc-per-node={cfg.nprocs}", *rendezvous, f"--max-restarts={cfg.max_restarts}",
         "-m", "accelexp.worker", str(spec),
     ]  # fmt: skip
@@ -137,7 +147,8 @@ def _horovodrun(cfg: DictConfig, spec: Path) -> list[str]:
             f"{Path(sys.executable).parent.parent}. Run the setup, which builds it: `make setup`."
         )
     return [
-        str(horovodrun), "-np", str(cfg.nprocs), "-H", f"localhost:{cfg.nprocs}", "--gloo",
+        sys.executable, "-m", "accelexp.launch.horovodrun", str(spec),
+        "-np", str(cfg.nprocs), "-H", f"localhost:{cfg.nprocs}", "--gloo",
         sys.executable, "-m", "accelexp.worker", str(spec),
     ]  # fmt: skip
 
@@ -145,7 +156,7 @@ def _horovodrun(cfg: DictConfig, spec: Path) -> list[str]:
 LAUNCHERS = {"torchrun": _torchrun, "horovodrun": _horovodrun}
 
 
-def _run_process_group(command: list[str], threads: int | None) -> int:
+def _run_process_group(command: list[str], threads: int | None, output: BinaryIO) -> int:
     """Run the launcher in its own session; whatever happens, leave none of its processes.
 
     On SIGINT/SIGTERM (`Interrupted`) every process of the job gets SIGTERM, so rank 0 can close
@@ -157,7 +168,13 @@ def _run_process_group(command: list[str], threads: int | None) -> int:
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     process = subprocess.Popen(
-        command, start_new_session=True, env=env, preexec_fn=_die_with_parent
+        command,
+        start_new_session=True,
+        env=env,
+        preexec_fn=_die_with_parent,
+        stdin=subprocess.DEVNULL,
+        stdout=output,
+        stderr=subprocess.STDOUT,
     )
     try:
         return process.wait()
@@ -174,21 +191,3 @@ def _die_with_parent() -> None:
     """In the launcher, before it starts: SIGTERM it if this process dies, even by SIGKILL."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _failure_message(cfg: DictConfig, spec: Path, returncode: int) -> str:
-    """The first worker's error in full; the others (usually its consequences) in one line each."""
-    # ordered by when each rank failed (set to the nanosecond by accelexp.worker)
-    errors = sorted((spec / "errors").glob("rank*.txt"), key=lambda path: path.stat().st_mtime_ns)
-    lines = [
-        f"{cfg.parallelism.nprocs} {cfg.parallelism.name} workers failed "
-        f"(launcher exit code {returncode})."
-    ]
-    if errors:
-        first, *others = errors
-        lines.append(f"First failure, {first.stem}: {first.read_text().strip()}")
-        lines += [f"Then {e.stem}: {e.read_text().splitlines()[0]}" for e in others]
-    else:
-        lines.append("No worker recorded an error: one was killed, or failed before starting.")
-    lines.append("The workers' full output is above.")
-    return "\n".join(lines)
