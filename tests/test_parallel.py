@@ -25,7 +25,7 @@ from mlflow import MlflowClient
 
 from accelexp import parallel
 from accelexp.config import ConfigError
-from accelexp.launch import WorkerFailedError, launch
+from accelexp.launch import WorkerFailedError, exits, failures, launch
 from accelexp.launch.output import ConsoleFilter
 from accelexp.parallel import build_strategy, connect
 from accelexp.parallel.base import ShardSampler
@@ -147,6 +147,19 @@ def test_a_worker_killed_without_a_word_is_named_as_the_cause_and_nothing_is_lef
     assert "<stderr>:" not in console  # horovodrun's prefix of each line
     time.sleep(0.5)
     assert leftover_workers(str(tmp_path / "out" / "workers")) == []
+
+
+def test_a_rank_the_launcher_stopped_while_it_started_is_not_the_cause(tmp_path):
+    """rank 0 raised; the launcher's SIGTERM killed rank 1 before it could record anything (it
+    was still importing torch): rank 0 is the cause, rank 1 its consequence."""
+    failures.clear(tmp_path)
+    (tmp_path / "errors" / "rank0.txt").write_text("CheckpointError: last.pt cannot be read\n")
+    exits.write(tmp_path, [exits.WorkerExit.of_status(0, 2), exits.WorkerExit.of_status(1, -15)])
+    lines = failures.failure_message("2 ddp workers", tmp_path, 1).splitlines()
+    assert lines[1:3] == [
+        "First failure, rank0: CheckpointError: last.pt cannot be read",
+        "Then rank1: killed by SIGTERM.",
+    ]
 
 
 def test_the_console_shows_the_workers_log_records_and_not_the_rest():

@@ -25,6 +25,7 @@ LINE_CHARS = 200  # of a consequence's first line (a Gloo error's runs to thousa
 WRAPPING = re.compile(
     r"(?:Got the following error when running the callback: \w+: )+|\[[^\]]+\.cc:\d+\] "
 )
+LAUNCHER_STOPS = ("SIGTERM", "SIGINT")
 # what a signal that killed a worker without a word says about its cause
 SIGNAL_CAUSES = {
     "SIGKILL": "killed from outside (kill -9, a scheduler) or by the kernel's out-of-memory killer",
@@ -86,19 +87,22 @@ def failure_message(what: str, spec: Path, returncode: int, oom_kills: int = 0) 
     """Why the workers of `what` ("2 ddp workers") failed: the first to die, then the others."""
     errors = _errors(spec)
     silent = [end for end in exits.read(spec) if end.rank not in errors]
+    # a launcher stops the survivors with these: a rank still starting up dies of them silently
+    causes = [end for end in silent if not (errors and end.signal in LAUNCHER_STOPS)]
     lines = [f"{what} failed (launcher exit code {returncode})."]
-    if silent:
-        first, *others = silent
+    if causes:
+        first = causes[0]
         lines.append(
             f"First failure, rank{first.rank}: {first.describe()}, without an error of its "
             f"own: {_cause(first, oom_kills)}."
         )
-        lines += [f"Then rank{e.rank}: {e.describe()}." for e in others]
+        lines += [f"Then rank{e.rank}: {e.describe()}." for e in silent if e is not first]
         lines += [f"Then rank{rank}: {_first_line(text)}" for rank, text in errors.items()]
     elif errors:
         (rank, text), *others = errors.items()
         lines.append(f"First failure, rank{rank}: {text.strip()}")
         lines += [f"Then rank{other}: {_first_line(text)}" for other, text in others]
+        lines += [f"Then rank{e.rank}: {e.describe()}." for e in silent]
     else:
         lines.append("No worker recorded an error: one was killed, or failed before starting.")
     lines.append(f"Every worker's whole output: {spec / OUTPUT_FILE}")
