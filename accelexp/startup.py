@@ -4,7 +4,11 @@ Hydra prints errors raised before the job function runs — a run folder it cann
 interpolation of its own it cannot resolve — with a traceback. `run_main` has Hydra raise them
 (`HYDRA_FULL_ERROR=1`) and says each in one line with a non-zero exit; a user who sets
 `HYDRA_FULL_ERROR=1` still gets the whole traceback. A key typed by its old name is refused
-before Hydra composes, with the override to type instead (`validate.renamed_key`), exit 2.
+before Hydra composes, with the override to type instead (`validate.renamed_key`), exit 2; so
+are a flag Hydra's parser refuses (without its usage text) and an override with no key. What
+Hydra refuses while it composes (an option or a key that does not exist, a value of the wrong
+type, an override its grammar cannot read) is said in one line with what to type instead
+(`composition_message`), not in Hydra's text.
 SIGINT/SIGTERM between a sweep's jobs, or while Hydra composes, end like a signal during a job
 (`accelexp.signals`): the sweep's parent run KILLED, one line, exit 130/143.
 """
