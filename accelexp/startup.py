@@ -122,6 +122,13 @@ def composition_message(error: Exception) -> str:
     unmatched = re.match(r"Could not override '([^']+)'\. No match in the defaults list", text)
     if unmatched:
         return _add_on_group(unmatched.group(1))
+    several = re.match(r"Ambiguous value for argument '([^']+)'", text)
+    if several:
+        return (
+            f"{several.group(1)} gives several values: add -m to run a job for each (`python "
+            f"run.py -m {several.group(1)}`); a list is written KEY=[A,B], a string with a comma "
+            f"quoted: KEY='A,B'."
+        )
     chosen = re.match(r"Multiple values for ([\w/]+)\.", text)
     if chosen:
         return _chosen_already(chosen.group(1))
@@ -203,7 +210,12 @@ def _unknown_key(cause: Exception) -> str:
 
 def _bad_value(override: str, cause: Exception) -> str:
     """`epochs=abc`, `epochs=null`, `hydra.mode=FOO`: a value of the wrong type."""
-    key = getattr(cause, "full_key", None) or override.partition("=")[0]
+    key = getattr(cause, "full_key", None) or override.partition("=")[0].lstrip("+~")
+    if override.startswith("~"):
+        return (
+            f"{key} cannot be removed: every key of its schema has a value. Set the one you "
+            f"want instead, e.g. `python run.py {key}=...`."
+        )
     reason = str(getattr(cause, "msg", None) or cause).splitlines()[0]
     reason = re.sub(r"^field '([^']+)' is not Optional$", r"\1 cannot be null", reason)
     return (

@@ -89,6 +89,8 @@ CASES = [
     case("-m epochs=range(0)", "epochs=range(0) sweeps no value"),
     case("-m epochs=choice()", "epochs=choice(1,2)"),
     case("-m parallelism=ddpp,ddp", "Did you mean parallelism=ddp?"),
+    case("model=simple_cnn,mlp", "add -m to run a job for each"),
+    case("~model.hidden", "model.hidden cannot be removed"),
     # --- mlflow ----------------------------------------------------------------------------
     case("mlflow.tracking_uri=foo://bar", "mlflow.tracking_uri"),
     case("mlflow.tracking_uri=", "mlflow.tracking_uri"),
