@@ -35,7 +35,13 @@ def main(cfg: DictConfig) -> float | None:
     from accelexp.parallel import run_label
     from accelexp.parallel.world import current_world
     from accelexp.tracking.credentials import PasswordInUriError
-    from accelexp.tracking.runs import RUN_ID_FILE, close_run, record_failure, run_tags
+    from accelexp.tracking.runs import (
+        RUN_ID_FILE,
+        StoreFullError,
+        close_run,
+        record_failure,
+        run_tags,
+    )
 
     hydra_cfg = HydraConfig.get()
     output_dir = hydra_cfg.runtime.output_dir
@@ -67,9 +73,12 @@ def main(cfg: DictConfig) -> float | None:
         sys.exit(outcome.exit_code(stop))
     except Exception as error:
         ours = isinstance(error, AccelexpError)
-        log.error("%s", error if ours else traceback.format_exc())
+        log.error(
+            "%s%s", error if ours else traceback.format_exc(), _resume_hint(error, output_dir)
+        )
         first_rank = current_world().rank == 0  # under srun every task runs this function
-        if first_rank and (in_sweep or (Path(output_dir) / RUN_ID_FILE).is_file()):
+        stored = not isinstance(error, StoreFullError)  # a full store takes no failure either
+        if first_rank and stored and (in_sweep or (Path(output_dir) / RUN_ID_FILE).is_file()):
             tags = run_tags(cfg, cfg.parallelism.nprocs, overrides)
             label = None if isinstance(error, ConfigError) else run_label(cfg.parallelism)
             record_failure(cfg, output_dir, traceback.format_exc(), tags, overrides, label)
@@ -78,6 +87,20 @@ def main(cfg: DictConfig) -> float | None:
         if ours:
             sys.exit(outcome.EXIT_BAD_INPUT)
         raise
+
+
+def _resume_hint(error: Exception, output_dir: str) -> str:
+    """For a store that stopped taking writes mid-run: how to continue, where a checkpoint is."""
+    from accelexp.checkpoint import LAST
+    from accelexp.tracking.runs import TrackingUnavailableError
+
+    last = Path(output_dir) / "checkpoints" / LAST
+    if not isinstance(error, TrackingUnavailableError) or not last.is_file():
+        return ""
+    return (
+        f" Once it takes writes again, continue from the last checkpoint ({last}) with the same "
+        f"command and resume=auto."
+    )
 
 
 if __name__ == "__main__":

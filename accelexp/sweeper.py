@@ -42,6 +42,16 @@ def plan(
         )
     if "repeat_index" in keys:
         raise ConfigError("repeat_index is set by the sweeper for each repeat: leave it out.")
+    if not jobs:  # Hydra's sweeper would fail on an assertion
+        empty = [
+            o.input_line
+            for o in overrides
+            if o.is_sweep_override() and not list(o.sweep_string_iterator())
+        ]
+        raise ConfigError(
+            f"{' '.join(empty) or 'This sweep'} sweeps no value: give it at least one, e.g. "
+            f"epochs=range(1,4) or epochs=1,2."
+        )
     vary = config.repeat_seed == "vary"
     if vary and "seed" in swept:
         raise ConfigError(

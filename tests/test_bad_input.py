@@ -71,6 +71,26 @@ CASES = [
     case("model=null", "Config group override"),
     case("+experiment=nope", "experiment"),
     case("--foo", "--foo"),
+    # Hydra's composition errors, in one line that says what to type
+    case("parallelism=ddpp", "Did you mean parallelism=ddp?"),
+    case("data=", "Available options: cifar10, fashion_mnist, synthetic"),
+    case("+model=resnet18", "model=resnet18, without +"),
+    case("experiment=scaling", "+experiment=scaling"),
+    case("modle=resnet18", "Did you mean model=resnet18?"),
+    case("data.batchsize=3", "Did you mean data.batch_size=3?"),
+    case("hydra.foo=1", "hydra.foo is not a key of Hydra's config"),
+    case("epochs=null", "epochs cannot be null"),
+    case("epochs==2", "epochs=2"),
+    case("epochs=[1,2", "close the bracket"),
+    case("precision=fp32,", "no trailing comma"),
+    case("=3", "has no key"),
+    case("--config-name=nope", "leave out --config-name"),
+    case("--cfg=jobb", "invalid choice: 'jobb'"),
+    case("-m epochs=range(0)", "epochs=range(0) sweeps no value"),
+    case("-m epochs=choice()", "epochs=choice(1,2)"),
+    case("-m parallelism=ddpp,ddp", "Did you mean parallelism=ddp?"),
+    case("model=simple_cnn,mlp", "add -m to run a job for each"),
+    case("~model.hidden", "model.hidden cannot be removed"),
     # --- mlflow ----------------------------------------------------------------------------
     case("mlflow.tracking_uri=foo://bar", "mlflow.tracking_uri"),
     case("mlflow.tracking_uri=", "mlflow.tracking_uri"),
@@ -179,6 +199,8 @@ def assert_one_clear_message(result: subprocess.CompletedProcess, named: str) ->
     assert result.returncode != 0, text
     assert "Traceback" not in text, text
     assert named in text, f"the message does not name {named!r}:\n{text}"
+    for long_text in ("Config search path", "full_key:", "usage: run.py", "Could not override"):
+        assert long_text not in text, f"Hydra's long message, not accelexp's line:\n{text}"
 
 
 @pytest.mark.parametrize(("overrides", "named"), CASES)

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import REPO, compose_config, new_store, only_run
+from conftest import REPO, compose_config, new_store, only_run, run_here
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
@@ -399,6 +401,66 @@ def test_a_store_that_stops_taking_writes_is_one_message(compose_cfg, tracking_u
     store = tracking_uri.removeprefix("sqlite:///")
     with open(store, "r+b") as file:  # the same file (open connections keep their inode)
         file.write(b"\0" * os.path.getsize(store))
-    with pytest.raises(TrackingUnavailableError, match=r"Could not write the metrics .* resume"):
+    with pytest.raises(
+        TrackingUnavailableError, match=r"Could not write the metrics .* Free space"
+    ):
         tracker.log_metrics({"loss": 1.0}, step=1)
     tracker.end("FAILED")  # no exception: the error above stays the one the user sees
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A real full disk: a tmpfs of 8 MiB mounted in `tmp_path` (that takes root), its space
+    taken by a file once the test has put its store there (`fill`)."""
+    if os.geteuid() != 0:
+        pytest.skip("a full disk is a tmpfs mounted for the test, and mounting takes root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield disk
+    finally:  # lazily: this process's SQLite connections may still hold the store open
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def fill(disk: Path) -> None:
+    with open(disk / "filler", "wb", buffering=0) as filler:
+        for size in (1 << 20, 1 << 12):
+            try:
+                while True:
+                    filler.write(b"\0" * size)
+            except OSError as error:
+                assert error.errno == errno.ENOSPC, error
+
+
+@pytest.mark.parametrize("store", ["existing", "new"])
+def test_a_store_on_a_full_disk_is_one_message(
+    store, full_disk, mlflow_template_db, capfd, tmp_path
+):
+    """`python run.py` with its store on a full disk: one message that says so, where, and
+    what to do; no traceback, no resume advice (no checkpoint exists), and no half-made store
+    left behind (it would stay broken: "table ... already exists")."""
+    uri = (
+        new_store(full_disk, mlflow_template_db)
+        if store == "existing"
+        else (f"sqlite:///{full_disk / 'mlflow.db'}")
+    )
+    fill(full_disk)
+    tiny = ["data=synthetic", "data.image_size=16", "epochs=1", "max_steps_per_epoch=1"]
+    result = run_here(capfd, *tiny, "progress=false", "threads=1", f"mlflow.tracking_uri={uri}",
+                      tmp_path=tmp_path)  # fmt: skip
+    text = result.stdout + result.stderr
+    assert result.returncode == 2, text
+    assert f"The disk of the MLflow store is full: {full_disk / 'mlflow.db'}" in text, text
+    assert "Free space on that disk, or point mlflow.tracking_uri" in text, text
+    for wrong in ("Traceback", "autoflush", "[SQL:", "resume=auto"):
+        assert wrong not in text, text
+    errors = [line for line in text.splitlines() if "ERROR" in line]
+    assert len(errors) == 1, text
+    assert store == "existing" or not (full_disk / "mlflow.db").exists()

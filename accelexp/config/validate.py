@@ -16,8 +16,9 @@ of `accelexp.parallel.rules`. What this machine can hold is checked apart, in
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 from urllib.parse import urlparse
@@ -352,11 +353,37 @@ def _unknown_keys(node: DictConfig, prefix: str = "") -> Iterator[str]:
                 name, value = next(iter(flatten({name: OmegaConf.to_container(value)}).items()))
             problem = misplaced_key(name, node.get("name"), value) or (
                 f"{name} is not a key of accelexp's config (added with +{name}=...?): nothing "
-                f"would read it. Check its spelling against `python run.py --cfg job`."
+                f"would read it.{did_you_mean(name, known, value)} Check its spelling against "
+                f"`python run.py --cfg job`."
             )
             yield f"  {problem}"
         elif isinstance(node[key], DictConfig):
             yield from _unknown_keys(node[key], name)
+
+
+def did_you_mean(key: str, known: Iterable[str], value: Any = None) -> str:
+    """ " Did you mean data.batch_size=3?" for `data.batchsize` (given `value`, 3) when one of the
+    `known` keys of its node is spelled alike (a config group's name: `model=VALUE`); ""."""
+    parent, _, leaf = key.rpartition(".")
+    close = difflib.get_close_matches(leaf, list(known), n=1, cutoff=0.7)
+    if not close:
+        return ""
+    typed = "..." if value is None else value
+    return f" Did you mean {parent + '.' if parent else ''}{close[0]}={typed}?"
+
+
+def unknown_key(key: str, known: Iterable[str], value: Any = None) -> str:
+    """`key=value`, which Hydra cannot set because no schema declares `key`: said with the key
+    it resembles (`known`: the keys of its node), or the options that have it (`misplaced_key`)."""
+    hint = misplaced_key(key, None, value)
+    if hint:
+        return hint
+    where = "Hydra's config" if key.startswith("hydra.") else "accelexp's config"
+    listing = "--cfg hydra" if key.startswith("hydra.") else "--help"
+    return (
+        f"{key} is not a key of {where}.{did_you_mean(key, known, value)} `python run.py "
+        f"{listing}` lists its keys."
+    )
 
 
 def renamed_key(key: str, value: Any = None) -> str:

@@ -20,6 +20,7 @@ from before the tags, are left.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -69,6 +70,66 @@ MAX_RUNNING = 1000  # a store's RUNNING runs of one host that one healing looks 
 
 class TrackingUnavailableError(AccelexpError):
     """The MLflow tracking store cannot be reached or opened."""
+
+
+class StoreFullError(TrackingUnavailableError):
+    """The disk of the MLflow store (its database or its artifacts) is full."""
+
+
+FULL_DISK_TEXTS = ("database or disk is full", "No space left on device")
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether a full disk is what `error` comes from: ENOSPC, or SQLite's "database or disk is
+    full", anywhere in its chain (SQLAlchemy keeps the driver's error as `orig`)."""
+    seen: set[int] = set()
+    chain: list[BaseException | None] = [error]
+    while chain:
+        link = chain.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        if isinstance(link, OSError) and link.errno == errno.ENOSPC:
+            return True
+        if any(text in str(link) for text in FULL_DISK_TEXTS):
+            return True
+        chain += [link.__cause__, link.__context__, getattr(link, "orig", None)]
+    return False
+
+
+def full_store_message(uri: str, run_id: str | None = None) -> str:
+    """What to do when the store's disk is full; a run that began cannot record its end there,
+    and the next command on this host marks it FAILED (`heal_stale_runs`)."""
+    path = _sqlite_path(uri)
+    store = f"{path} ({credentials.redact(uri)})" if path else credentials.redact(uri)
+    ended = (
+        f" Run {run_id} cannot record its end there: it stays RUNNING until the next run.py or "
+        f"accelexp-report on this host marks it FAILED."
+        if run_id
+        else ""
+    )
+    return (
+        f"The disk of the MLflow store is full: {store}. Free space on that disk, or point "
+        f"mlflow.tracking_uri at a store on another one (mlflow.tracking_uri=sqlite:///PATH/"
+        f"mlflow.db).{ended}"
+    )
+
+
+class _QuietFullDisk(logging.Filter):
+    """Drops MLflow's own multi-line log of a SQL error from a full disk: the error is raised
+    to accelexp, which says it once (`StoreFullError`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (
+            (exc is not None and disk_full(exc)) or disk_full(Exception(record.getMessage()))
+        )
+
+
+def _quiet_mlflow_full_disk() -> None:
+    logger = logging.getLogger("mlflow.store.db.utils")
+    if not any(isinstance(f, _QuietFullDisk) for f in logger.filters):
+        logger.addFilter(_QuietFullDisk())
 
 
 def significant(value: float, digits: int = METRIC_DIGITS) -> float:
@@ -162,8 +223,12 @@ def _check_database(uri: str, timeout_s: float) -> None:
 
 
 def _first_line(error: BaseException) -> str:
-    """The driver's own message of a SQLAlchemy error, its first line."""
-    return str(getattr(error, "orig", None) or error).strip().splitlines()[0]
+    """The driver's own message of a SQLAlchemy error (MLflow's wraps one), its first line."""
+    link: BaseException | None = error
+    while link is not None and getattr(link, "orig", None) is None:
+        link = link.__cause__
+    text = str(getattr(link, "orig", None) or error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 @contextlib.contextmanager
@@ -235,10 +300,18 @@ class Tracker:
         if not self.enabled:
             return
         check_reachable(self.cfg.tracking_uri)
+        _quiet_mlflow_full_disk()
+        path = _sqlite_path(self.cfg.tracking_uri)
         try:
             with store_lock(self.cfg.tracking_uri):  # also: one creator of the experiment
-                self._client = RetryingClient(self.cfg.tracking_uri)  # migrates a new store
-                experiment = self._client.get_experiment_by_name(self.cfg.experiment)
+                new = path is not None and not path.exists()
+                try:
+                    self._client = RetryingClient(self.cfg.tracking_uri)  # migrates a new store
+                    experiment = self._client.get_experiment_by_name(self.cfg.experiment)
+                except Exception:
+                    if new:  # a store half made (a full disk cut its tables short) stays broken
+                        path.unlink(missing_ok=True)
+                    raise
                 if experiment is None:
                     self.experiment_id = self._client.create_experiment(
                         self.cfg.experiment, artifact_location=self._artifact_location()
@@ -246,9 +319,11 @@ class Tracker:
                 else:
                     self.experiment_id = experiment.experiment_id
         except Exception as error:  # the store exists but cannot be opened or written
+            if disk_full(error):
+                raise StoreFullError(full_store_message(self.cfg.tracking_uri)) from error
             raise TrackingUnavailableError(
                 f"Cannot use the MLflow store {credentials.redact(self.cfg.tracking_uri)}: "
-                f"{credentials.redact(str(error))}"
+                f"{credentials.redact(_first_line(error))}"
             ) from error
         if heal:
             heal_stale_runs(self._client, [self.experiment_id], "run.py")
@@ -267,11 +342,13 @@ class Tracker:
         from mlflow.entities import Param
 
         tags = {**tags, **_git_tags(), **_sweep_tags(), **where_it_runs()}
-        run = self._client.create_run(self.experiment_id, run_name=run_name, tags=dict(tags))
+        with self._writing("the new run"):
+            run = self._client.create_run(self.experiment_id, run_name=run_name, tags=dict(tags))
         self.run_id = run.info.run_id
         items = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in params.items()]
-        for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
-            self._client.log_batch(self.run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
+        with self._writing("the params"):
+            for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
+                self._client.log_batch(self.run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
         if self.cfg.log_system_metrics:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -430,11 +507,16 @@ class Tracker:
         try:
             yield
         except Exception as error:
-            cause = (str(error).strip() or type(error).__name__).splitlines()[0]  # not the SQL
+            if disk_full(error):
+                raise StoreFullError(
+                    full_store_message(self.cfg.tracking_uri, self.run_id)
+                ) from error
+            cause = _first_line(error)  # not the SQL
+            run = f" of run {self.run_id}" if self.run_id else ""
             raise TrackingUnavailableError(
-                f"Could not write {what} of run {self.run_id} to the MLflow store "
-                f"{self.cfg.tracking_uri}: {cause}. Free space or restart the tracking server, "
-                f"then continue the run with resume=auto."
+                f"Could not write {what}{run} to the MLflow store "
+                f"{credentials.redact(self.cfg.tracking_uri)}: {cause}. Free space or restart "
+                f"the tracking server."
             ) from error
 
     def end(self, status: str = FINISHED) -> None:
@@ -447,7 +529,9 @@ class Tracker:
                 self._system_monitor.finish()
             self._client.set_terminated(self.run_id, status=status)
         except Exception as error:
-            log.warning("Could not mark MLflow run %s as %s: %s", self.run_id, status, error)
+            log.warning(
+                "Could not mark MLflow run %s as %s: %s", self.run_id, status, _first_line(error)
+            )
             return
         log.info("Run %s: %s", status, self.where_to_look())
 
@@ -567,7 +651,7 @@ def record_failure(
         tracker._client.log_text(tracker.run_id, error, "error.txt")
         tracker._client.set_terminated(tracker.run_id, status=FAILED)
     except Exception as failure:  # the store took the run's data but takes no more
-        log.warning("Could not record the failure in MLflow: %s", failure)
+        log.warning("Could not record the failure in MLflow: %s", _first_line(failure))
         return None
     return tracker.run_id
 
@@ -586,7 +670,8 @@ def close_run(mlflow_cfg: DictConfig, output_dir: str | Path, status: str) -> No
         if tracker._client.get_run(run_id).info.status != FINISHED:
             tracker._client.set_terminated(run_id, status=status)
     except Exception as error:  # the store is gone: nothing more can be kept
-        log.warning("Could not mark run %s as %s: %s", id_file.read_text().strip(), status, error)
+        run_id = id_file.read_text().strip()
+        log.warning("Could not mark run %s as %s: %s", run_id, status, _first_line(error))
 
 
 # --- sweeps: one parent run per multirun -------------------------------------------------

@@ -42,10 +42,12 @@ class RepeatSweeper(BasicSweeper):
         return list(BasicSweeper.split_overrides_to_chunks(jobs, max_batch_size))
 
     def sweep(self, arguments: list[str]) -> Any:
+        from accelexp import outcome
         from accelexp.errors import ConfigError
 
         try:
             return super().sweep(arguments)
         except ConfigError as error:  # before any job ran: one message, exit 2
             log.error("%s", error)
-            sys.exit(2)
+            outcome.current_sweep_state().abort(outcome.FAILED)  # its parent run is open
+            sys.exit(outcome.EXIT_BAD_INPUT)
