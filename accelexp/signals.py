@@ -46,12 +46,16 @@ def interruption(error: BaseException) -> Interrupted:
 
 
 _stopping = False
+_ending = False
 _deferring = 0
 _pending: int | None = None
 
 
 def _raise_interrupted(signum: int, frame: object) -> None:
     global _pending
+    if _ending:  # the launcher stopping the survivors of an error this process records
+        log.debug("%s received while recording an error: ignored.", signal.Signals(signum).name)
+        return
     if _stopping or _pending is not None:
         log.warning("%s received while stopping: still stopping.", signal.Signals(signum).name)
         return
@@ -72,8 +76,8 @@ def ending() -> None:
     """The process is ending on an error it is recording: from now on a signal (the launcher's
     SIGTERM to the survivors, say) is logged and ignored, as while stopping, so the record is
     made whole and the error stays the cause."""
-    global _stopping
-    _stopping = True
+    global _ending
+    _ending = True
 
 
 @contextlib.contextmanager
