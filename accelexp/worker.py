@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from accelexp import outcome, signals
 from accelexp.errors import AccelexpError
 from accelexp.parallel.world import current_world
+from accelexp.tracking import credentials
 
 
 class _Indented(logging.Formatter):
@@ -45,6 +46,7 @@ def main(spec: Path) -> int:
     logging.basicConfig(
         level=logging.INFO if world.rank == 0 else logging.WARNING, handlers=[console]
     )
+    credentials.secrets_from_file()
     cfg = OmegaConf.load(spec / "config.yaml")
     job = json.loads((spec / "job.json").read_text())
     signals.install()

@@ -107,6 +107,23 @@ def test_a_password_no_variable_carries_is_refused(uri):
     assert SECRET not in str(error.value) and "u:***@db" in str(error.value)
 
 
+def test_launched_workers_get_the_credentials_from_a_private_file_not_the_environment(
+    monkeypatch,
+):
+    """horovodrun writes each variable it passes on into its workers' command lines (`ps`
+    shows them to everyone): the launcher's environment carries only the file's name."""
+    env = {"PGPASSWORD": "pw-0451", "PATH": "/bin"}
+    with credentials.secrets_to_file(env):
+        path = Path(env[credentials.SECRETS_FILE_ENV])
+        assert "pw-0451" not in str(env)
+        assert path.stat().st_mode & 0o777 == 0o600
+        monkeypatch.setenv(credentials.SECRETS_FILE_ENV, str(path))  # as a worker's
+        monkeypatch.setenv("PGPASSWORD", "")
+        credentials.secrets_from_file()
+        assert os.environ["PGPASSWORD"] == "pw-0451"
+    assert not path.exists()  # the job's end removes it
+
+
 def test_hydra_files_are_scrubbed(tmp_path):
     (tmp_path / ".hydra").mkdir()
     overrides = tmp_path / ".hydra" / "overrides.yaml"

@@ -45,6 +45,7 @@ from accelexp.parallel.rules import several_workers
 from accelexp.parallel.world import current_world, port_in_use
 from accelexp.processes import JOB_ENV, kill_job, new_job_token, stop_job
 from accelexp.signals import interruption
+from accelexp.tracking import credentials
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,11 @@ def _run_process_group(command: list[str], threads: int | None, output: BinaryIO
     env = {**os.environ, JOB_ENV: token}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
+    with credentials.secrets_to_file(env):  # horovodrun would show them on command lines
+        return _wait_for(command, env, token, output)
+
+
+def _wait_for(command: list[str], env: dict[str, str], token: str, output: BinaryIO) -> int:
     process = subprocess.Popen(
         command,
         start_new_session=True,

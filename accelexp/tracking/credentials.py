@@ -10,14 +10,24 @@ other URI (a MySQL or SQL Server store, `mlflow.artifact_location`) cannot move 
 refused (`PasswordInUriError`) with the ways to give it instead. What was recorded before that
 (Hydra's `.hydra/*.yaml`, the command line's overrides) is cleaned with `scrub_hydra_files` and
 `strip`; messages show URIs through `redact`.
+
+Launched workers get these variables from a file, not from their launcher's environment:
+horovodrun writes every variable it passes on into each worker's command line, which `ps` shows
+to every user of the machine. `secrets_to_file` takes them out of the launcher's environment into
+a file only this user can read, named by `ACCELEXP_SECRETS`; a worker reads it first
+(`secrets_from_file`), and the job removes it when its workers are gone.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import json
 import os
 import re
+import tempfile
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 
 from accelexp.errors import ConfigError
@@ -32,6 +42,8 @@ ENV_OF = {
     "postgres": ("PGUSER", "PGPASSWORD"),
 }
 HIDDEN = "***"
+SECRETS_FILE_ENV = "ACCELEXP_SECRETS"
+SECRET_VARIABLES = tuple(dict.fromkeys(name for pair in ENV_OF.values() for name in pair))
 
 # scheme://user:password@ (any scheme: a database URI's password is hidden in messages too)
 _USERINFO = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]*:)[^/\s@]*@")
@@ -160,3 +172,30 @@ def scrub_hydra_files(folder: str | Path, *uris: str | None) -> list[Path]:
             path.write_text(scrubbed)
             changed.append(path)
     return changed
+
+
+@contextlib.contextmanager
+def secrets_to_file(env: dict[str, str]) -> Iterator[None]:
+    """Move `env`'s credential variables (`SECRET_VARIABLES`) into a file readable by this user
+    only, named by `env[SECRETS_FILE_ENV]`, for the block (workers started inside it read it);
+    the file is removed at its end. Nothing to move: nothing written."""
+    found = {name: env.pop(name) for name in SECRET_VARIABLES if name in env}
+    if not found:
+        yield
+        return
+    handle, path = tempfile.mkstemp(prefix="accelexp-secrets-")  # mode 0600
+    try:
+        with os.fdopen(handle, "w") as file:
+            json.dump(found, file)
+        env[SECRETS_FILE_ENV] = path
+        yield
+    finally:
+        Path(path).unlink(missing_ok=True)
+
+
+def secrets_from_file() -> None:
+    """In a launched worker: the credential variables its job moved into a file, back into this
+    process's environment."""
+    path = os.environ.pop(SECRETS_FILE_ENV, None)
+    if path:
+        os.environ.update(json.loads(Path(path).read_text()))
