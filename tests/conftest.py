@@ -293,10 +293,12 @@ def final_params(output_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(output_dir / "checkpoints" / "best.pt", weights_only=True)["model"]
 
 
-def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+def assert_same_params(
+    a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-5
+) -> None:
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=atol, msg=name)
 
 
 def output_of(result: subprocess.CompletedProcess) -> str:

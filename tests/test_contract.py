@@ -45,6 +45,7 @@ RESNET18 = ("model=resnet18", *(o for o in ONE_PROCESS if not o.startswith("mode
 ADAMW = ("optimizer=adamw", "scheduler=onecycle")
 BF16_DDP = (*TWO_WORKERS, "parallelism=ddp", "precision=amp")  # bf16 autocast on a CPU
 BF16_HOROVOD = (*TWO_WORKERS, "parallelism=horovod", "precision=amp")
+BF16_KERNELS_ATOL = 1e-3
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Case:
     overrides: tuple[str, ...]
     reference: tuple[str, ...] = ONE_PROCESS
     check: Callable[[Run], None] | None = None  # what else it must have logged
+    atol: float = 1e-5  # of the parameters (assert_same_params)
 
     @property
     def param(self):
@@ -203,6 +205,10 @@ CASES = [
         (*BF16_HOROVOD, "speed.compile=default", "speed.channels_last=true"),
         BF16_DDP,
         check=_compiled,
+        # compiled channels-last bf16 kernels round otherwise than eager ones on a CPU without
+        # native bf16 (AVX2: max 3.4e-4 apart after 4 steps, measured; equal to 1e-5 on the
+        # AVX-512 machines before); a wrong average or lr would move the weights ~1e-2
+        atol=BF16_KERNELS_ATOL,
     ),
 ]
 
@@ -215,7 +221,7 @@ def test_trains_the_parameters_of_its_reference(case, reference, tmp_path, track
     params = final_params(tmp_path / "out")
     # best.pt holds the whole model as plain tensors (gathered on rank 0): it loads anywhere
     assert all(type(t) is torch.Tensor for t in params.values())
-    assert_same_params(params, expected_params)
+    assert_same_params(params, expected_params, atol=case.atol)
     if cfg.precision.name == "fp32":
         # the same model on the same test set (bf16 may flip a borderline prediction)
         assert math.isclose(metrics["test_acc"], expected_metrics["test_acc"], abs_tol=1e-3)
