@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from accelexp import outcome, signals
 from accelexp.errors import AccelexpError
+from accelexp.launch.failures import first_line
 from accelexp.parallel.world import current_world
 from accelexp.tracking import credentials
 
@@ -66,7 +67,8 @@ def main(spec: Path) -> int:
         failed_at = getattr(error, "failed_at_ns", None) or time.time_ns()
         os.utime(record, ns=(failed_at, failed_at))  # the launcher orders failures by this
         stop = signals.interruption(error) if isinstance(error, KeyboardInterrupt) else None
-        said = f"Stopped by {stop.name}" if stop else f"{type(error).__name__}: {_line(error)}"
+        cause = f"{type(error).__name__}: {first_line(str(error))}"
+        said = f"Stopped by {stop.name}" if stop else cause
         log = logging.getLogger("accelexp")
         if restart := _restart_to_come():  # the run goes on: not the job's end
             log.warning(
@@ -93,10 +95,6 @@ def _restart_to_come() -> str | None:
     done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0)
     return f"{done + 1} of {most}" if done < most else None
-
-
-def _line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [""])[0][:200]
 
 
 if __name__ == "__main__":

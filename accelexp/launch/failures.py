@@ -97,11 +97,11 @@ def failure_message(what: str, spec: Path, returncode: int, oom_kills: int = 0) 
             f"own: {_cause(first, oom_kills)}."
         )
         lines += [f"Then rank{e.rank}: {e.describe()}." for e in silent if e is not first]
-        lines += [f"Then rank{rank}: {_first_line(text)}" for rank, text in errors.items()]
+        lines += [f"Then rank{rank}: {first_line(text)}" for rank, text in errors.items()]
     elif errors:
         (rank, text), *others = errors.items()
         lines.append(f"First failure, rank{rank}: {text.strip()}")
-        lines += [f"Then rank{other}: {_first_line(text)}" for other, text in others]
+        lines += [f"Then rank{other}: {first_line(text)}" for other, text in others]
         lines += [f"Then rank{e.rank}: {e.describe()}." for e in silent]
     else:
         lines.append("No worker recorded an error: one was killed, or failed before starting.")
@@ -127,6 +127,7 @@ def _cause(end: exits.WorkerExit, oom_kills: int) -> str:
     return "an exit from native code or os._exit; its last output is in the file below"
 
 
-def _first_line(text: str) -> str:
+def first_line(text: str) -> str:
+    """An error's first line, without torch's wrapping, shortened to LINE_CHARS."""
     line = WRAPPING.sub("", text.strip().splitlines()[0]) if text.strip() else "(no message)"
     return line if len(line) <= LINE_CHARS else line[: LINE_CHARS - 3] + "..."
