@@ -132,6 +132,9 @@ SPEED = "speed"  # the speed switches on (SpeedSwitches.summary); each switch al
 DEVICE = "device"  # what one process computes on: `cpu`, `NVIDIA H200 x2`
 CONFIG_HASH = "config_hash"  # the training a config describes (resume=auto looks runs up by it)
 CONFIG_ID = "config_id"  # the same less seed and repeat index: one row of the report per repeats
+# the same less how long it runs (epochs, max steps) and with its speed keys: what a verdict's
+# advice depends on (autotune's rejections are looked up by it)
+SETTING_ID = "setting_id"
 OUTPUT_DIR = "output_dir"  # the job's folder, where its checkpoints are
 RESUMED_AFTER_EPOCH = "resumed_after_epoch"
 GIT_COMMIT = "git_commit"
@@ -155,6 +158,18 @@ SWEEP = "sweep"  # the sweep's name
 DIAGNOSIS = "diagnosis"  # the bound: input, overhead, compute, communication, memory, contended
 DIAGNOSIS_DETAIL = "diagnosis_detail"
 DIAGNOSIS_NEXT = "diagnosis_next"  # the first override to try
+DIAGNOSIS_ADVICE = "diagnosis_advice"  # every override to try, with why: JSON [[override, why]]
+# the autotune loop (accelexp.autotune): each trial run's round, role and candidate, and for a
+# candidate's runs what was decided and why; the parent run's AUTOTUNE_BEST is the line to paste
+AUTOTUNE_ROUND = "autotune.round"
+AUTOTUNE_ROLE = "autotune.role"  # base (the best so far) | candidate
+AUTOTUNE_CANDIDATE = "autotune.candidate"  # the override tried on top of the base
+AUTOTUNE_DECISION = "autotune.decision"  # kept | rejected
+AUTOTUNE_KEPT = "kept"
+AUTOTUNE_REJECTED = "rejected"
+AUTOTUNE_WHY = "autotune.why"
+AUTOTUNE_BASE_SETTING = "autotune.base_setting"  # the base's SETTING_ID
+AUTOTUNE_BEST = "autotune.best"  # the overrides the loop ended with
 NOISE = "noise"  # quiet | contended: was the machine shared while the run was timed
 NOISE_CONTENDED = "contended"
 NOISE_QUIET = "quiet"

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from accelexp import checkpoint, outcome, record
 from accelexp.config import ConfigError, validate
 from accelexp.config.catalog import flatten
-from accelexp.config.identity import config_hash, config_id
+from accelexp.config.identity import config_hash, config_id, setting_id
 from accelexp.data import SOURCES, BatchLoader, DataBundle, build_data, resolve_on_device
 from accelexp.data.sources import SYNTHETIC_SEED
 from accelexp.diagnosis import flops
@@ -262,6 +262,7 @@ def _run(
             record.DEVICE: device_label(strategy),
             record.CONFIG_HASH: config_hash(resolved),
             record.CONFIG_ID: config_id(resolved),
+            record.SETTING_ID: setting_id(resolved),
             record.OUTPUT_DIR: str(output_dir.resolve()),
         }
         tracker.start(name, params, tags)

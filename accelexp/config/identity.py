@@ -1,6 +1,7 @@
 """A run's identity: which config keys decide what it computes (`training_config`,
 `config_hash`, `config_id`: a checkpoint resumes only its own training, `resume=auto` looks runs
-up by the hash) and which the report's like-for-like comparisons ignore (`ignored_for_speed`).
+up by the hash), what a verdict's advice is drawn for (`setting_id`), and which keys the report's
+like-for-like comparisons ignore (`ignored_for_speed`).
 
 Both follow from what each key of the schema says it affects (`accelexp.config.keys`):
 - results and speed (the default): part of the training, compared;
@@ -100,6 +101,19 @@ def config_id(resolved: Mapping[str, Any]) -> str:
     training = training_config(resolved)
     training = {k: v for k, v in training.items() if k not in ("seed", REPEAT_INDEX)}
     return _digest({"training": training, "tags": resolved.get("mlflow", {}).get("tags") or {}})
+
+
+# how long a run trains: a short trial and the full run of one configuration share its advice
+RUN_LENGTH = frozenset({"epochs", "max_steps_per_epoch", "target_accuracy"})
+
+
+def setting_id(resolved: Mapping[str, Any]) -> str:
+    """Identifies what a verdict's advice is drawn for: the configuration, its speed keys
+    (`threads`, `speed.*`) included, less what only watches it (`mlflow`...), its seed, repeat
+    index and length (`RUN_LENGTH`). Autotune's trials of a configuration and its full runs
+    share it, so a suggestion measured and rejected there is looked up by it."""
+    left_out = keys_affecting(Affects.NOTHING) | RUN_LENGTH | {"seed", REPEAT_INDEX}
+    return _digest(_without(resolved, left_out))
 
 
 def _digest(identity: Mapping[str, Any]) -> str:

@@ -355,6 +355,19 @@ class MaxBatchConfig:
 
 
 @dataclass
+class AutotuneConfig:
+    """`-m +experiment=autotune`: the verdict's advice tried in short measured runs, each kept
+    only when faster beyond doubt at no cost in accuracy (accelexp.autotune)."""
+
+    budget_s: float = key(1800.0, "no trial starts once this many seconds have passed")
+    max_trials: int = key(40, "no trial run starts after this many")
+    accuracy_tolerance: float = key(
+        0.01, "a candidate whose test accuracy is lower by more than this is rejected"
+    )
+    freeze: list[str] = key([], "keys autotune never changes, e.g. [data.batch_size,parallelism]")
+
+
+@dataclass
 class DebugConfig:
     """Test hooks: a crashed worker, a slow input pipeline, an out-of-memory error, on purpose."""
 
@@ -412,6 +425,7 @@ class Config:
     profile: bool = key(False, "torch.profiler traces of a few steps, logged to MLflow", SPEED)
     profiler: ProfilerConfig = section(ProfilerConfig, "what profile true traces", SPEED)
     max_batch: MaxBatchConfig = section(MaxBatchConfig, "the largest batch that fits", NOTHING)
+    autotune: AutotuneConfig = section(AutotuneConfig, "the autotune loop's budget", NOTHING)
     debug: DebugConfig = section(DebugConfig, "test hooks", SPEED)
 
 

@@ -15,9 +15,10 @@ import logging
 from collections.abc import Mapping
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from accelexp import record
+from accelexp.config.identity import setting_id
 from accelexp.diagnosis import flops
 from accelexp.diagnosis.noise import NoiseSample, NoiseVerdict, judge
 from accelexp.diagnosis.verdict import RunFacts, Verdict, diagnose, memory_advice, usable
@@ -109,6 +110,7 @@ class RunDiagnosis:
                 convolutional=self.convolutional,
                 scale_out=self.strategy.scale_out_advice(),
                 contention=noise.evidence if noise.contended else [],
+                rejected=self.rejected_by_autotune(tracker),
             )
         )
         log.info("%s", verdict.console())
@@ -117,6 +119,16 @@ class RunDiagnosis:
         tracker.set_tags({**verdict.tags(), **noise.tags()})
         tracker.log_text(verdict.markdown(run_name) + noise.markdown(), "diagnosis.md")
         return verdict
+
+    def rejected_by_autotune(self, tracker: Tracker) -> dict[str, str]:
+        """What autotune measured on this run's setting on this host and rejected (never
+        offered again); nothing, with a warning, when the store cannot say."""
+        setting = setting_id(OmegaConf.to_container(self.cfg, resolve=True))
+        try:
+            return tracker.rejected_by_autotune(setting)
+        except Exception as error:  # advice is not worth a failed run
+            log.warning("Could not look up what autotune rejected for this setting: %s", error)
+            return {}
 
     def say_noise(self) -> None:
         """The run's last console line, on the main rank: was the machine quiet while timed."""

@@ -24,6 +24,9 @@ own (`Strategy.scale_out_advice`: twice its workers, say), the strategies' ways 
 memory per device are theirs (`accelexp.parallel.rules.MEMORY_ADVICE`), and
 `speed.channels_last` is offered only to a model with convolutions.
 
+An override autotune measured on this setting on this host and rejected (`RunFacts.rejected`,
+looked up in the store) is not offered again; the evidence says so.
+
 The thresholds are round numbers, chosen so that the cases accelexp's tests produce on purpose
 (a slowed input pipeline, two Gloo workers on a large model with a tiny batch, a tiny model with
 a tiny batch) land where they should, and a default run lands in compute; the evidence is
@@ -33,6 +36,7 @@ printed with every verdict, so a borderline case can be judged by the numbers.
 from __future__ import annotations
 
 import copy
+import json
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -76,6 +80,9 @@ class RunFacts:
     scale_out: tuple[str, str] = ONE_DEVICE_SCALE_OUT
     # the evidence that other work shared the machine while it was timed (NoiseVerdict), if any
     contention: list[str] = field(default_factory=list)
+    # overrides autotune measured on this setting on this host and rejected, with why
+    # (`Tracker.rejected_by_autotune`): not offered again
+    rejected: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def contended(self) -> bool:
@@ -94,6 +101,7 @@ class Verdict:
             record.DIAGNOSIS: self.bound,
             record.DIAGNOSIS_DETAIL: self.detail,
             record.DIAGNOSIS_NEXT: self.advice[0][0] if self.advice else "",
+            record.DIAGNOSIS_ADVICE: json.dumps(self.advice),  # [[override, why], ...]
         }
 
     def console(self) -> str:
@@ -160,7 +168,13 @@ def evidence_lines(facts: RunFacts) -> list[str]:
 
 def diagnose(facts: RunFacts) -> Verdict:
     verdict = _diagnose(facts)
-    verdict.advice = usable(verdict.advice, facts.config, facts.in_effect)
+    advice = usable(verdict.advice, facts.config, facts.in_effect)
+    verdict.advice = [item for item in advice if item[0] not in facts.rejected]
+    verdict.evidence += [
+        f"autotune measured {override} here and rejected it: {why}"
+        for override, why in facts.rejected.items()
+        if override in dict(advice)
+    ]
     return verdict
 
 

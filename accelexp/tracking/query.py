@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -261,3 +261,12 @@ def log_artifacts(
                 client.log_artifacts(run_id, str(path), artifact_path)
             elif path.is_file():
                 client.log_artifact(run_id, str(path), artifact_path)
+
+
+def set_tags(uri: str, run_id: str, tags: Mapping[str, str]) -> None:
+    """Set `tags` on run `run_id` (after it ended: what a sweep decided of it)."""
+    from mlflow.entities import RunTag
+
+    client = _client(uri)
+    with _mlflow_errors(uri):
+        client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])

@@ -405,6 +405,29 @@ class Tracker:
         folder = record.OUTPUT_DIR
         return [run.data.tags[folder] for run in runs if folder in run.data.tags]
 
+    def rejected_by_autotune(self, setting: str) -> dict[str, str]:
+        """The overrides autotune measured on setting `setting` (`record.SETTING_ID`) on this
+        host, in any experiment, and rejected the last time it decided on them: {override: why}."""
+        if not self.enabled:
+            return {}
+        ids = [e.experiment_id for e in self._client.search_experiments()]
+        runs = self._client.search_runs(
+            ids,
+            filter_string=f"tags.`{record.AUTOTUNE_BASE_SETTING}` = '{setting}' "
+            f"and tags.{record.HOST} = '{platform.node()}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=500,
+        )
+        newest: dict[str, dict[str, str]] = {}
+        for run in runs:
+            if record.AUTOTUNE_DECISION in run.data.tags:
+                newest.setdefault(run.data.tags[record.AUTOTUNE_CANDIDATE], run.data.tags)
+        return {
+            override: tags.get(record.AUTOTUNE_WHY, "")
+            for override, tags in newest.items()
+            if tags[record.AUTOTUNE_DECISION] == record.AUTOTUNE_REJECTED
+        }
+
     # --- during the run -------------------------------------------------------------------
     def log_metrics(self, metrics: Mapping[str, float | None], step: int | None = None) -> None:
         if not self.enabled:

@@ -1,7 +1,10 @@
-"""accelexp's sweeper as a Hydra plugin: Hydra's basic sweeper with `repeats=N` round-robin.
+"""accelexp's sweepers as Hydra plugins: Hydra's basic sweeper with `repeats=N` round-robin
+(Hydra's default `hydra/sweeper: basic`, also named `repeat`), and the autotune loop
+(`hydra/sweeper=autotune`, chosen by `+experiment=autotune`).
 
-Hydra instantiates sweepers from its `hydra_plugins` package only; what the sweeper does lives in
-`accelexp.sweeper` (`plan`), this is the plugin's shell and its config (`hydra/sweeper=repeat`).
+Hydra instantiates sweepers from its `hydra_plugins` package only; what the sweepers do lives in
+`accelexp.sweeper` (`plan`) and `accelexp.autotune` (`Autotune`); these are the plugins' shells
+and their configs.
 """
 
 # no `from __future__ import annotations`: Hydra's plugin scan executes this module outside
@@ -9,11 +12,17 @@ Hydra instantiates sweepers from its `hydra_plugins` package only; what the swee
 import logging
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper, BasicSweeperConf
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
+from hydra.core.plugins import Plugins
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +32,37 @@ class RepeatSweeperConf(BasicSweeperConf):
     _target_: str = "hydra_plugins.accelexp_sweeper.RepeatSweeper"
 
 
+# Hydra's default sweeper (`basic`) is this one — the basic sweeper when repeats=1 — so that no
+# primary config's `override hydra/sweeper` shadows an experiment file's (Hydra keeps the first
+# override of a group it meets, and the primary config comes before the experiment's)
+for name in ("basic", "repeat"):
+    ConfigStore.instance().store(
+        group="hydra/sweeper", name=name, node=RepeatSweeperConf, provider="accelexp"
+    )
+
+
+@dataclass
+class AutotuneSweeperConf:
+    _target_: str = "hydra_plugins.accelexp_sweeper.AutotuneSweeper"
+
+
 ConfigStore.instance().store(
-    group="hydra/sweeper", name="repeat", node=RepeatSweeperConf, provider="accelexp"
+    group="hydra/sweeper", name="autotune", node=AutotuneSweeperConf, provider="accelexp"
 )
+
+
+def _refusing_bad_input(sweep: Any) -> Any:
+    """`sweep()`, but a `ConfigError` raised before any job ran is one message, the sweep's
+    parent run FAILED and exit 2."""
+    from accelexp import outcome
+    from accelexp.errors import ConfigError
+
+    try:
+        return sweep()
+    except ConfigError as error:
+        log.error("%s", error)
+        outcome.current_sweep_state().abort(outcome.FAILED)  # its parent run is open
+        sys.exit(outcome.EXIT_BAD_INPUT)
 
 
 class RepeatSweeper(BasicSweeper):
@@ -42,12 +79,93 @@ class RepeatSweeper(BasicSweeper):
         return list(BasicSweeper.split_overrides_to_chunks(jobs, max_batch_size))
 
     def sweep(self, arguments: list[str]) -> Any:
-        from accelexp import outcome
-        from accelexp.errors import ConfigError
+        return _refusing_bad_input(lambda: super(RepeatSweeper, self).sweep(arguments))
 
+
+class AutotuneSweeper(Sweeper):
+    """Runs `accelexp.autotune.Autotune` from the command line's configuration: each batch of
+    its jobs through the configured launcher, each job read back as its MLflow run."""
+
+    def __init__(self) -> None:
+        self.config: DictConfig | None = None
+        self.hydra_context: HydraContext | None = None
+        self.launcher: Any = None
+        self.job_index = 0
+
+    def setup(
+        self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig
+    ) -> None:
+        self.config, self.hydra_context = config, hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+
+    def sweep(self, arguments: list[str]) -> Any:
+        return _refusing_bad_input(lambda: self._sweep(arguments))
+
+    def _sweep(self, arguments: list[str]) -> Any:
+        from omegaconf import OmegaConf
+
+        from accelexp.autotune import Autotune
+        from accelexp.errors import ConfigError
+        from accelexp.report.autotune import ARTIFACTS, console, publish
+
+        assert self.config is not None and self.hydra_context is not None
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        swept = [o.input_line for o in parser.parse_overrides(arguments) if o.is_sweep_override()]
+        if swept:
+            raise ConfigError(
+                f"autotune starts from one configuration, and {' '.join(swept)} sweeps: give "
+                f"it one value, or sweep without +experiment=autotune."
+            )
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        uri = self.config.mlflow.tracking_uri
+        loop = Autotune(
+            self.config,
+            arguments,
+            run_jobs=self._run_jobs,
+            composes=self._composes,
+            tag_run=lambda run_id, tags: _set_tags(uri, run_id, tags),
+            on_round=lambda path: publish(path, uri, sweep_dir / ARTIFACTS),
+        )
+        path = loop.run()
+        log.info("%s", console(path, sweep_dir / ARTIFACTS))
+        return path
+
+    def _run_jobs(self, batch: list[list[str]]) -> list[Any]:
+        """Run `batch` through the launcher; each job's MLflow run (None: it left none)."""
+        from accelexp.tracking.query import run_record
+        from accelexp.tracking.runs import RUN_ID_FILE
+
+        assert self.config is not None
+        self.validate_batch_is_legal(batch)
+        returns = self.launcher.launch(batch, initial_job_idx=self.job_index)
+        self.job_index += len(batch)
+        runs = []
+        for job in returns:
+            _ = job.return_value  # a job that raised: raise it here, as Hydra's sweepers do
+            output_dir = Path(job.hydra_cfg.hydra.runtime.output_dir)
+            run_id = output_dir / RUN_ID_FILE
+            uri = self.config.mlflow.tracking_uri
+            runs.append(
+                run_record(uri, run_id.read_text().strip(), histories=True)
+                if run_id.is_file()
+                else None
+            )
+        return runs
+
+    def _composes(self, overrides: list[str]) -> str:
+        """What keeps `overrides` from composing, "" when they compose."""
         try:
-            return super().sweep(arguments)
-        except ConfigError as error:  # before any job ran: one message, exit 2
-            log.error("%s", error)
-            outcome.current_sweep_state().abort(outcome.FAILED)  # its parent run is open
-            sys.exit(outcome.EXIT_BAD_INPUT)
+            self.validate_batch_is_legal([overrides])
+        except Exception as error:
+            return str(error).strip().splitlines()[0]
+        return ""
+
+
+def _set_tags(uri: str, run_id: str, tags: Any) -> None:
+    from accelexp.tracking.query import set_tags
+
+    set_tags(uri, run_id, tags)

@@ -1,0 +1,153 @@
+"""The autotune loop's path (`accelexp.autotune.Path`) as a table, a plot and the line to paste.
+
+`publish` writes into the sweep's folder `autotune/`: `path.md` (how it started, each step —
+round, candidate, why the verdict suggested it, speedup with its 95 % interval, test accuracy
+against the base's, the decision and why — and the overrides found), `path.json` (the same for
+machines) and `path.png` (the cumulative gain of the kept steps, each with its interval, the
+rejected candidates beside them); then logs them to the sweep's parent run under `autotune/`
+and tags it with the overrides found (`record.AUTOTUNE_BEST`). `console` is what the sweep says
+at its end.
+
+The cumulative gain multiplies the kept steps' gains: each step was measured against the step
+before it, not against the start, so the product is a point figure without an interval.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path as Folder
+from typing import Any
+
+from accelexp import record, stats
+from accelexp.autotune import Path, Step
+from accelexp.report.plots import _figure, _legend_outside, _save
+
+PATH_TABLE = "path.md"
+PATH_JSON = "path.json"
+PATH_PLOT = "path.png"
+ARTIFACTS = "autotune"  # the parent run's folder of them
+
+
+def _speedup(step: Step) -> str:
+    return "" if step.speedup is None else stats.format_estimate(step.speedup, suffix="×")
+
+
+def _acc(value: float | None) -> str:
+    return "" if value is None else f"{value:.3f}"
+
+
+def cumulative(path: Path) -> list[tuple[str, float]]:
+    """(the path's rung, its gain over the start): the start at 1.0, then each kept step."""
+    gains = [("start", 1.0)]
+    for step in path.kept:
+        gains.append((f"+{step.candidate.override}", gains[-1][1] * step.speedup.value))
+    return gains
+
+
+def table(path: Path) -> str:
+    """The path as Markdown."""
+    start = " ".join(path.start) or "(the defaults)"
+    total = cumulative(path)[-1][1]
+    lines = [
+        "# Autotune",
+        "",
+        f"- started from: `{start}`",
+        f"- found: `{path.paste() or '(nothing: the start is the best it could prove)'}`"
+        + (f" — ≈ {total:.2f}× the start (the product of the kept steps)" if path.kept else ""),
+        f"- stopped: {path.stopped}",
+        f"- {path.trials} trial run(s) in {path.seconds:.0f} s",
+        "",
+        "| round | candidate | suggested because | speedup (95 % interval) | test acc "
+        "(base → candidate) | decision | why |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for step in path.steps:
+        decision = "**kept**" if step.chosen else ("kept" if step.kept else "rejected")
+        lines.append(
+            f"| {step.round} | `{step.candidate.override}` | {step.candidate.why} | "
+            f"{_speedup(step)} | {_acc(step.base_acc)} → {_acc(step.acc)} | {decision} | "
+            f"{step.why} |"
+        )
+    lines += [
+        "",
+        "**kept**: of its round's kept candidates, the fastest, joined to the base for the next.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def path_figure(path: Path) -> Any | None:
+    """The cumulative gain of each kept step (its interval as a bar), and every rejected
+    candidate of a round at the gain it measured over that round's base; None before any step."""
+    if not path.steps:
+        return None
+    figure, axes = _figure((9, 4.5))
+    gains = cumulative(path)
+    x = list(range(len(gains)))
+    low, high = [0.0], [0.0]  # the start: no interval
+    for (_, gain), step in zip(gains[1:], path.kept, strict=True):
+        low.append(gain * (1 - step.speedup.low / step.speedup.value))
+        high.append(gain * (step.speedup.high / step.speedup.value - 1))
+    label = "kept: gain over the start (bar: the step's 95 % interval)"
+    axes.errorbar(x, [g for _, g in gains], yerr=[low, high], marker="o", capsize=4, label=label)
+    rounds = sorted({step.round for step in path.steps})
+    for position, round_no in enumerate(rounds):
+        base_gain = gains[min(position, len(gains) - 1)][1]
+        for step in path.steps:
+            if step.round != round_no or step.chosen or step.speedup is None:
+                continue
+            point = (position + 0.5, base_gain * step.speedup.value)
+            axes.plot(*point, "x", color="0.5")
+            axes.annotate(
+                step.candidate.override, point, fontsize="x-small", color="0.4",
+                xytext=(4, 2), textcoords="offset points",
+            )  # fmt: skip
+    axes.plot([], [], "x", color="0.5", label="not kept: measured over its round's base")
+    axes.axhline(1.0, color="black", linestyle=":", linewidth=1.2)
+    axes.set_xticks(x, [name for name, _ in gains], rotation=15, ha="right", fontsize="small")
+    axes.set_ylabel("samples/s over the start")
+    axes.set_ylim(bottom=0)
+    axes.set_title(f"Autotune's path: {path.paste() or 'nothing kept'}")
+    axes.grid(alpha=0.3)
+    _legend_outside(figure)
+    return figure
+
+
+def publish(path: Path, uri: str, out_dir: Folder) -> list[Folder]:
+    """Write the path into `out_dir` and log it to the sweep's parent run; the files written."""
+    from accelexp.tracking.query import log_artifacts, set_tags
+    from accelexp.tracking.runs import PARENT_RUN_ENV
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / PATH_TABLE).write_text(table(path))
+    (out_dir / PATH_JSON).write_text(json.dumps(path.as_dict(), indent=2, default=_number))
+    files = [out_dir / PATH_TABLE, out_dir / PATH_JSON]
+    plot = _save(path_figure(path), out_dir / PATH_PLOT)
+    files += [plot] if plot else []
+    parent = os.environ.get(PARENT_RUN_ENV)
+    if parent:
+        log_artifacts(uri, parent, files, ARTIFACTS)
+        set_tags(uri, parent, {record.AUTOTUNE_BEST: path.paste()})
+    return files
+
+
+def _number(value: Any) -> Any:
+    return None if isinstance(value, float) and math.isnan(value) else str(value)
+
+
+def console(path: Path, folder: Folder) -> str:
+    """What the sweep says at its end: every step in a line, then what it found."""
+    lines = [f"Autotune stopped: {path.stopped} ({path.trials} runs, {path.seconds:.0f} s)."]
+    for step in path.steps:
+        decision = "KEPT" if step.chosen else ("kept" if step.kept else "rejected")
+        lines.append(f"  round {step.round}: {step.candidate.override}: {decision}: {step.why}")
+    found = path.paste()
+    if found:
+        command = " ".join(o for o in path.best if o.lstrip("+").split("=")[0] != "experiment")
+        lines.append(f"Found: {found}   — run it: python run.py {command}")
+    else:
+        lines.append("Found nothing measurably faster than the start.")
+    lines.append(f"The path: {folder / PATH_TABLE}")
+    return "\n".join(lines)
