@@ -16,8 +16,8 @@ from scipy import stats as scipy_stats
 
 from accelexp import record
 from accelexp.autotune import Candidate, Step, decide, merged
+from accelexp.autotune.path import ARTIFACTS, PATH_JSON, PATH_PLOT, PATH_TABLE
 from accelexp.config.schema import AutotuneConfig
-from accelexp.report.autotune import ARTIFACTS, PATH_JSON, PATH_PLOT, PATH_TABLE
 from accelexp.tracking.query import RunRecord
 
 TOLERANCE = 0.01

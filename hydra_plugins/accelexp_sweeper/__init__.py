@@ -107,8 +107,8 @@ class AutotuneSweeper(Sweeper):
         from omegaconf import OmegaConf
 
         from accelexp.autotune import Autotune
+        from accelexp.autotune.path import ARTIFACTS, console, publish
         from accelexp.errors import ConfigError
-        from accelexp.report.autotune import ARTIFACTS, console, publish
 
         assert self.config is not None and self.hydra_context is not None
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)

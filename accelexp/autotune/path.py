@@ -1,4 +1,4 @@
-"""The autotune loop's path (`accelexp.autotune.Path`) as a table, a plot and the line to paste.
+"""The autotune loop's path (`AutotunePath`) as a table, a plot and the line to paste.
 
 `publish` writes into the sweep's folder `autotune/`: `path.md` (how it started, each step —
 round, candidate, why the verdict suggested it, speedup with its 95 % interval, test accuracy
@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path as Folder
+from pathlib import Path
 from typing import Any
 
 from accelexp import record, stats
-from accelexp.autotune import Path, Step
+from accelexp.autotune.loop import AutotunePath, Step
 from accelexp.report.plots import _figure, _legend_outside, _save
 
 PATH_TABLE = "path.md"
@@ -38,7 +38,7 @@ def _acc(value: float | None) -> str:
     return "" if value is None else f"{value:.3f}"
 
 
-def cumulative(path: Path) -> list[tuple[str, float]]:
+def cumulative(path: AutotunePath) -> list[tuple[str, float]]:
     """(the path's rung, its gain over the start): the start at 1.0, then each kept step."""
     gains = [("start", 1.0)]
     for step in path.kept:
@@ -46,7 +46,7 @@ def cumulative(path: Path) -> list[tuple[str, float]]:
     return gains
 
 
-def table(path: Path) -> str:
+def table(path: AutotunePath) -> str:
     """The path as Markdown."""
     start = " ".join(path.start) or "(the defaults)"
     total = cumulative(path)[-1][1]
@@ -78,7 +78,7 @@ def table(path: Path) -> str:
     return "\n".join(lines)
 
 
-def path_figure(path: Path) -> Any | None:
+def path_figure(path: AutotunePath) -> Any | None:
     """The cumulative gain of each kept step (its interval as a bar), and every rejected
     candidate of a round at the gain it measured over that round's base; None before any step."""
     if not path.steps:
@@ -115,7 +115,7 @@ def path_figure(path: Path) -> Any | None:
     return figure
 
 
-def publish(path: Path, uri: str, out_dir: Folder) -> list[Folder]:
+def publish(path: AutotunePath, uri: str, out_dir: Path) -> list[Path]:
     """Write the path into `out_dir` and log it to the sweep's parent run; the files written."""
     from accelexp.tracking.query import log_artifacts, set_tags
     from accelexp.tracking.runs import PARENT_RUN_ENV
@@ -137,7 +137,7 @@ def _number(value: Any) -> Any:
     return None if isinstance(value, float) and math.isnan(value) else str(value)
 
 
-def console(path: Path, folder: Folder) -> str:
+def console(path: AutotunePath, folder: Path) -> str:
     """What the sweep says at its end: every step in a line, then what it found."""
     lines = [f"Autotune stopped: {path.stopped} ({path.trials} runs, {path.seconds:.0f} s)."]
     for step in path.steps:

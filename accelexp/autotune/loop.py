@@ -1,37 +1,5 @@
-"""The autotune loop: `python run.py -m +experiment=autotune [overrides]` finds the fastest setting
-it can prove, by following the runs' own verdicts.
-
-From the user's configuration (the base), in rounds:
-
-0. the base runs once (again, up to `repeats` times, while its verdict says the machine was
-   shared: such a verdict cannot tell what bounds it); its verdict (`accelexp.diagnosis.
-   verdict`, the tag `record.DIAGNOSIS_ADVICE`) names the overrides to try next;
-1. each override that is still untried, changes no frozen key (`autotune.freeze`) and composes
-   becomes a **candidate**; the base and the candidates run `repeats` times, round-robin (base, A,
-   B, base, A, B, ...), each round of them under its own `repeat_index`, so that repeat i of a
-   candidate pairs with repeat i of the base (`accelexp.report.compare.ratio`: a paired t interval
-   of the log ratios, as the report computes every speedup);
-2. a candidate is **kept** when its speedup's 95 % interval lies wholly above 1.0 and its test
-   accuracy (the mean over its repeats, after the same number of steps: the accuracy proxy) is
-   at most `autotune.accuracy_tolerance` below the base's; else **rejected**, with why (slower, no
-   measurable difference, too few measured runs, failed, less accurate);
-3. the kept candidate with the largest speedup joins the base: the new best, whose own verdict
-   (from its candidate runs) is asked again — back to 1 — until no candidate is kept, none is
-   left to try, or the budget is spent (`autotune.budget_s`: no trial run starts after it;
-   `autotune.max_trials`: runs in all). A kept candidate that was not chosen is tried again on
-   the new best, where its verdict still offers it; a rejected one is not.
-
-Every trial is an ordinary run, a child of the sweep's parent; the loop tags each (`record.
-AUTOTUNE_*`): its round, its role (base | candidate), the candidate, and on a candidate's runs the
-decision, why and the base's `setting_id` — by which later verdicts of that setting on this host
-leave a rejected override out (`Tracker.rejected_by_autotune`). The path — each step with its
-gain and interval, each rejection and why, the line to paste — is `Path`, written by
-`accelexp.report.autotune`.
-
-This module knows runs as `RunRecord`s and overrides as text; the Hydra sweeper
-(`hydra_plugins.accelexp_sweeper.AutotuneSweeper`) gives it a way to run a batch of jobs, and
-`accelexp.tracking` the store.
-"""
+"""The loop: rounds of the best and its candidates, interleaved, and the decision on each
+(`decide`); the package's docstring says how it goes."""
 
 from __future__ import annotations
 
@@ -123,7 +91,7 @@ class Step:
 
 
 @dataclass
-class Path:
+class AutotunePath:
     """Where the loop went: its steps in order, the overrides it started from and ended with,
     and why it stopped."""
 
@@ -236,7 +204,7 @@ class Autotune:
         run_jobs: RunJobs,
         composes: Composes,
         tag_run: TagRun,
-        on_round: Callable[[Path], None] = lambda path: None,
+        on_round: Callable[[AutotunePath], None] = lambda path: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`cfg`: the sweep's config (`repeats`, `autotune.*`), `start`: the base's overrides as
@@ -249,12 +217,12 @@ class Autotune:
         self.settings, self.repeats = cfg.autotune, cfg.repeats
         self.run_jobs, self.composes, self.tag_run = run_jobs, composes, tag_run
         self.on_round, self.clock = on_round, clock
-        self.path = Path(list(start), list(start))
+        self.path = AutotunePath(list(start), list(start))
         self.began = clock()
         self.next_index = 0  # the repeat_index of the next round of jobs
         self.tried: set[str] = set()  # candidates rejected on some base, or taken
 
-    def run(self) -> Path:
+    def run(self) -> AutotunePath:
         best_runs = self._first_verdict()
         round_no = 1
         while not self.path.stopped:
