@@ -346,6 +346,7 @@ RUN_BY = {
     "parallelism=fsdp model=vit_tiny": "tests/test_contract.py",  # FSDP workers train a ViT
     "parallelism=ddp parallelism.nprocs=2 data=synthetic": "tests/test_contract.py",  # DDP workers
     "-m precision=fp32,amp,bf16": "tests/test_sweeps.py",  # a sweep over precisions, its report
+    "+experiment=autotune": "tests/test_autotune.py",  # the loop, its decisions, its path
 }
 
 
