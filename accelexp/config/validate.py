@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from accelexp import objective
 from accelexp.config.catalog import flatten, options_declaring
 from accelexp.config.keys import choices_of
 from accelexp.config.schema import SCHEMAS, Config
@@ -103,6 +104,7 @@ def _rules() -> list[Rule]:
         ("repeats", *at_least_one),
         _either("repeat_seed"),
         ("repeat_index", lambda v: v >= 0, "an integer >= 0 (set by the sweeper)"),
+        ("objective", objective.valid, objective.ALLOWED),
         ("epochs", *at_least_one),
         ("max_steps_per_epoch", *optional_at_least_one),
         ("target_accuracy", lambda v: v is None or 0 < v <= 1, "null or a number in (0, 1]"),
@@ -233,6 +235,7 @@ def validate(cfg: DictConfig) -> None:
             f"  scheduler.warmup_epochs={cfg.scheduler.warmup_epochs} must be shorter than "
             f"epochs={cfg.epochs}."
         )
+    problems += _objective_problems(cfg)
     problems += strategy_rules.problems(cfg)
     problems += _vit_problems(cfg)
     if cfg.optimizer.get("nesterov") and cfg.optimizer.momentum == 0:
@@ -287,6 +290,20 @@ def _example_fix(problem: str) -> str:
     """ ", e.g. `python run.py KEY=...`" for a problem with the value of KEY, else nothing."""
     match = re.match(r"\s*([\w.]+)=", problem)
     return f", e.g. `python run.py {match.group(1)}=...`" if match else ""
+
+
+def _objective_problems(cfg: DictConfig) -> list[str]:
+    """time_to_target as an objective without a target to reach."""
+    setting = cfg.get("objective", objective.DEFAULT)
+    if not objective.valid(setting) or cfg.target_accuracy is not None:
+        return []
+    if not objective.needs_target(setting):
+        return []
+    return [
+        f"  objective={objective.written(objective.names_of(setting))} needs a target, but "
+        f"target_accuracy=null: set target_accuracy (e.g. target_accuracy=0.8, a val_acc the "
+        f"runs reach)."
+    ]
 
 
 def _vit_problems(cfg: DictConfig) -> list[str]:

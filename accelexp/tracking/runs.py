@@ -40,7 +40,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from accelexp import processes, record
+from accelexp import objective, processes, record
 from accelexp.errors import AccelexpError
 from accelexp.tracking import credentials
 
@@ -613,6 +613,7 @@ def run_tags(cfg: DictConfig, world_size: int, overrides: Sequence[str] = ()) ->
         record.REPEAT_INDEX: str(cfg.repeat_index),
         record.REPEATS: str(cfg.repeats),
         record.OVERRIDES: credentials.redact(" ".join(overrides)),
+        **objective.tags(cfg.get("objective", objective.DEFAULT)),
         **{str(k): str(v) for k, v in (cfg.mlflow.get("tags") or {}).items()},
     }
 
