@@ -286,6 +286,25 @@ def check_repeats_of_one_job(overrides: Sequence[str]) -> None:
             )
 
 
+def check_sweep_objective(config: DictConfig) -> bool:
+    """A sweep's `objective`, before its first job (each job would fail on it alone): a value
+    that names no objective is a `ConfigError`, and so, for a sweeper that optimizes (one with a
+    `direction`: Optuna's), is a direction that is not the objectives' own. Whether the sweeper
+    optimizes."""
+    setting = config.get("objective", objective.DEFAULT)
+    if OmegaConf.is_config(setting):
+        setting = OmegaConf.to_container(setting)
+    if not objective.valid(setting):
+        raise ConfigError(f"objective={setting!r} is not allowed: expected {objective.ALLOWED}.")
+    direction = config.hydra.sweeper.get("direction")
+    if direction is None:
+        return False
+    problem = objective.check_directions(setting, direction)
+    if problem:
+        raise ConfigError(problem)
+    return True
+
+
 def _example_fix(problem: str) -> str:
     """ ", e.g. `python run.py KEY=...`" for a problem with the value of KEY, else nothing."""
     match = re.match(r"\s*([\w.]+)=", problem)
