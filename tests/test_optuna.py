@@ -1,11 +1,11 @@
-"""Optuna studies through run.py: what `objective=` returns, a failed trial, and the joblib
-launcher's worker processes.
+"""Optuna studies through run.py: what `objective=` returns, a failed trial, the Pareto front in the
+sweep's report, and the joblib launcher's worker processes.
 
-Each study is `python run.py -m +experiment=optuna` in this process (`conftest.run_here`)
+Each study is `python run.py -m +experiment=optuna[_pareto]` in this process (`conftest.run_here`)
 at the tiniest size that proves it: synthetic 16 px images, 3 steps, one epoch, 2 or 3 trials.
 What is checked is read back from MLflow (the parent run, its children, their tags and metrics,
 the report's artifacts) and from what Optuna's sweeper wrote (optimization_results.yaml), never
-from the code under test.
+from the code under test: the front is computed here from the children's metrics.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,9 @@ from conftest import new_store, output_of, run_here
 from mlflow import MlflowClient
 
 from accelexp import objective, record
+from accelexp.report import main as report_main
+from accelexp.report.pareto import dominates, non_dominated, pareto
+from accelexp.tracking.query import RunRecord
 
 TINY = (
     "data=synthetic",
@@ -32,6 +36,7 @@ TINY = (
     "progress=false",
     "threads=1",
 )
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def study(tmp: Path, template: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, str]:
@@ -105,6 +110,52 @@ def test_a_study_is_one_parent_run_and_a_failed_trial_does_not_stop_it(
     assert "Traceback" not in output_of(result)
 
 
+def test_a_two_objective_study_reports_its_pareto_front(tmp_path, mlflow_template_db, capsys):
+    result, uri = study(
+        tmp_path, mlflow_template_db, "+experiment=optuna_pareto", "hydra.sweeper.n_trials=3"
+    )
+    assert result.returncode == 0, output_of(result)
+    parent, children = runs_of(uri, "optuna_pareto")
+    assert parent.info.status == "FINISHED" and len(children) == 3
+    assert parent.data.tags[record.OBJECTIVE] == "test_acc,samples_per_s"
+    assert parent.data.tags[record.OBJECTIVE_DIRECTIONS] == "maximize,maximize"
+    # the front, from the children's metrics: no other child at least as good on both, and
+    # better on one
+    values = {
+        c.info.run_id: (c.data.metrics[record.TEST_ACC], c.data.metrics[record.THROUGHPUT])
+        for c in children
+    }
+    front = {
+        run_id
+        for run_id, (acc, speed) in values.items()
+        if not any(a >= acc and s >= speed and (a, s) != (acc, speed) for a, s in values.values())
+    }
+    assert front
+    # what Optuna's sweeper found: the same points (it was told these very values)
+    results = yaml.safe_load(
+        artifact(uri, parent.info.run_id, "optimization_results.yaml").read_text()
+    )
+    assert sorted(tuple(s["values"]) for s in results["solutions"]) == sorted(
+        values[run_id] for run_id in front
+    )
+    # the parent's report: the front's table, its CSV, the plot of every trial
+    table = artifact(uri, parent.info.run_id, "report/pareto.csv").read_text().splitlines()
+    assert table[0] == "run_name,run_id,status,overrides,test_acc,samples_per_s,on_front"
+    assert {line.split(",")[1] for line in table[1:]} == front
+    assert artifact(uri, parent.info.run_id, "report/pareto.png").read_bytes()[:8] == PNG_MAGIC
+    page = artifact(uri, parent.info.run_id, "report/report.html").read_text()
+    assert "<h2>Pareto front: test_acc vs samples_per_s</h2>" in page
+    names = {c.info.run_id: c.info.run_name for c in children}
+    assert all(names[run_id] in page for run_id in front)
+    # and the command prints it
+    capsys.readouterr()
+    args = ["--sweep", "latest", "--format", "markdown", "--tracking-uri", uri]
+    assert report_main([*args, "--output-dir", str(tmp_path / "report")]) == 0
+    printed = capsys.readouterr().out
+    assert "### Pareto front: test_acc vs samples_per_s" in printed
+    assert all(names[run_id] in printed.split("### Pareto front")[1] for run_id in front)
+
+
 def test_joblib_runs_the_jobs_in_worker_processes_as_children_of_the_parent(
     tmp_path, mlflow_template_db
 ):
@@ -148,6 +199,10 @@ def test_joblib_runs_the_jobs_in_worker_processes_as_children_of_the_parent(
             "time_to_target is minimized), but hydra.sweeper.direction=maximize: add "
             "hydra.sweeper.direction=minimize",
         ),
+        (
+            ["-m", "+experiment=optuna_pareto", "objective=test_acc"],
+            "direction=[maximize,maximize]: add hydra.sweeper.direction=maximize",
+        ),
         (["-m", "hydra/sweeper=optuna"], "add hydra.sweeper.direction=maximize"),  # its default
     ],
     ids=lambda value: " ".join(value) if isinstance(value, list) else None,
@@ -182,3 +237,33 @@ def test_the_sweeper_gets_each_objective_and_the_worst_value_for_one_not_measure
         record.OBJECTIVE: "test_acc,samples_per_s",
         record.OBJECTIVE_DIRECTIONS: "maximize,maximize",
     }
+
+
+def test_the_front_is_the_trials_no_other_beats_on_both_in_their_directions():
+    up_down = ("maximize", "minimize")
+    assert dominates((2, 1), (1, 1), up_down) and not dominates((1, 1), (1, 1), up_down)
+    points = [(0.9, 30.0), (0.8, 10.0), (0.9, 30.0), (0.7, 20.0), (0.95, 40.0)]
+    assert non_dominated(points, up_down) == [True, True, True, False, True]  # equal: both on it
+
+    def run(name, status="FINISHED", **metrics):
+        tags = {record.OBJECTIVE: "test_acc,time_to_target", record.OVERRIDES: f"seed={name}"}
+        tags[record.OBJECTIVE_DIRECTIONS] = "maximize,minimize"
+        return RunRecord(name, name, status, tags=tags, metrics=metrics)
+
+    front = pareto([
+        run("a", test_acc=0.9, time_to_target_s=30.0),
+        run("b", test_acc=0.8, time_to_target_s=40.0),
+        run("c", test_acc=0.95),  # never reached the target
+        run("d", status="FAILED"),
+        RunRecord("e", "e", "FINISHED", metrics={"test_acc": 1.0}),  # no objectives: not a trial
+    ])  # fmt: skip
+    assert [t.run_name for t in front.rows] == ["a"] and front.rows[0].overrides == "seed=a"
+    assert [t.run_name for t in front.trials] == ["a", "b"]
+    assert front.left_out == [
+        "1 run(s) with other objectives",
+        "c: no time_to_target_s",
+        "d: FAILED",
+    ]
+    assert pareto([RunRecord("e", "e", "FINISHED")]) is None
+    drawn = replace(front.rows[0], overrides="optimizer.lr=0.03756196144499839 seed=1")
+    assert front.layout.text(drawn, "overrides") == "optimizer.lr=0.03756 seed=1"  # CSV: as drawn
