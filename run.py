@@ -29,9 +29,10 @@ register_help()  # the groups, options and keys `--help` lists
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> float | None:
+def main(cfg: DictConfig) -> float | list[float] | None:
     from accelexp.config.validate import check_one_job_of_a_study, check_repeats_of_one_job
     from accelexp.launch import launch  # torch loads after Hydra has parsed the command line
+    from accelexp.objective import sweeper_value
     from accelexp.parallel import run_label
     from accelexp.parallel.world import current_world
     from accelexp.tracking.credentials import PasswordInUriError
@@ -58,7 +59,7 @@ def main(cfg: DictConfig) -> float | None:
         if not in_sweep:
             check_one_job_of_a_study(hydra_cfg.sweeper.get("params") or {}, overrides)
             check_repeats_of_one_job(overrides)
-        return launch(cfg, output_dir, overrides)["test_acc"]
+        return sweeper_value(cfg.objective, launch(cfg, output_dir, overrides))
     except KeyboardInterrupt as error:
         stop = signals.interruption(error)
         if current_world().rank == 0:  # its workers may have died before closing the run

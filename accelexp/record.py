@@ -154,6 +154,11 @@ SWEEP_PARENT = "accelexp.sweep"
 SWEEP_DIR = "sweep_dir"
 PARENT_RUN = "mlflow.parentRunId"  # MLflow's own: the UI nests the run under its parent
 SWEEP = "sweep"  # the sweep's name
+# what run.py returns to a sweeper (accelexp.objective): the objectives' names and directions,
+# comma-separated in order (`test_acc,samples_per_s`, `maximize,maximize`); on a run, and on the
+# parent of a sweeper that optimizes them
+OBJECTIVE = "objective"
+OBJECTIVE_DIRECTIONS = "objective_directions"
 # what the run's end found (accelexp.diagnosis)
 DIAGNOSIS = "diagnosis"  # the bound: input, overhead, compute, communication, memory, contended
 DIAGNOSIS_DETAIL = "diagnosis_detail"

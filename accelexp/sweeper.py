@@ -9,10 +9,10 @@ configuration ran close in time to repeat i of the others: the report pairs them
 `seed=<seed + i>` (varied seeds give accuracy's spread; the same seed isolates speed noise).
 
 The sweeper itself is `hydra_plugins.accelexp_sweeper.RepeatSweeper` (Hydra takes plugins from
-its `hydra_plugins` package only), registered as Hydra's default `hydra/sweeper: basic` (and as
-`repeat`); it asks `plan` for its jobs. Another sweeper, chosen on the command line
-(`hydra/sweeper=optuna`) or by an experiment file (`+experiment=autotune`), replaces it,
-repeats and all.
+its `hydra_plugins` package only), selected in conf/default_sweeper.yaml (`override
+/hydra/sweeper: repeat`); it asks `plan` for its jobs. Another sweeper chosen on the command line
+or by an experiment file (`hydra/sweeper=optuna`, `+experiment=optuna`, `+experiment=autotune`)
+replaces it, repeats and all.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@
 #      look at the MLflow UI in it), when apt is usable;
 #   2. a virtual environment at .venv with torch/torchvision and the project (editable, with
 #      the dev and team extras: tests, and the clients of a PostgreSQL/S3 tracking server);
-#   3. Holistic Trace Analysis (HTA), which analyses the profile=true traces;
+#   3. Holistic Trace Analysis (HTA), which analyses the profile=true traces, and Hydra's Optuna
+#      sweeper plugin (hydra/sweeper=optuna), each without its declared dependencies;
 #   4. Horovod, compiled against that torch once and cached as a wheel (scripts/build_horovod.sh).
 # Re-running skips every step whose result is already there.
 set -euo pipefail
@@ -64,6 +65,16 @@ have_hta=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.versio
 if [ "$have_hta" != "$HTA_VERSION" ]; then
   say "installing HolisticTraceAnalysis==$HTA_VERSION (--no-deps)"
   pip_install --no-deps "HolisticTraceAnalysis==$HTA_VERSION"
+fi
+
+# 3b. Hydra's Optuna sweeper plugin, without its declared dependencies: it declares optuna<3,
+#     whose study storage fails under SQLAlchemy 2 (MLflow's); it runs on the optuna 5 that
+#     pyproject.toml installs (see there).
+OPTUNA_SWEEPER_VERSION=1.3.0
+have_sweeper=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("hydra-optuna-sweeper"))' 2>/dev/null || true)
+if [ "$have_sweeper" != "$OPTUNA_SWEEPER_VERSION" ]; then
+  say "installing hydra-optuna-sweeper==$OPTUNA_SWEEPER_VERSION (--no-deps)"
+  pip_install --no-deps "hydra-optuna-sweeper==$OPTUNA_SWEEPER_VERSION"
 fi
 
 # 4. Horovod (built against the torch above; cached)

@@ -94,10 +94,11 @@ def test_help_shows_what_each_study_sets_and_sweeps(help_text, group, option):
     picks = {
         k.removeprefix("override /"): v for d in body.pop("defaults", []) for k, v in d.items()
     }
-    sweeps = body.pop("hydra", {}).get("sweeper", {}).get("params", {})
+    hydra = body.pop("hydra", {})
+    sweeps = hydra.get("sweeper", {}).pop("params", {})  # the rest it sets: Optuna's n_trials...
     block = option_block(help_text, f"{group}:", option)
     shown = typed_values(block.split(" sets ", 1)[1].split(" sweeps ", 1)[0])
-    assert shown == picks | flatten(body)
+    assert shown == picks | flatten(body) | flatten({"hydra": hydra}, empty=False)
     for key, values in sweeps.items():
         assert f"{key}={values}" in block.split(" sweeps ", 1)[1]
 

@@ -6,9 +6,10 @@ command is handled by the first rule in `RULES` that matches it; a command no ru
 its test, so a new kind of command in the docs needs a rule here. What the rules do:
 
 - `python run.py ...` composes every job of the command with Hydra (a `-m` sweep: every point of its
-  grid) and validates it with accelexp's own checks. The README's commands, the ones a user pastes
-  first, then run for real (run.py's `main` in this process: a new process would only repeat
-  pytest's imports) into this module's MLflow store, at a tiny size: `epochs=1
+  grid; an Optuna study: the ends of its intervals) and validates it with accelexp's own checks
+  (a sweep's objective against its sweeper's direction too). The README's commands, the ones a
+  user pastes first, then run for real (run.py's `main` in this process: a new process would only
+  repeat pytest's imports) into this module's MLflow store, at a tiny size: `epochs=1
   max_steps_per_epoch=2 threads=1 progress=false repeats=1`, the synthetic set shrunk to 256 images
   of 16 px (other data sets keep their size), a sweep cut to two jobs (the first two values of its
   first swept key, the first value of the others), folders in tmp; one whose path another test
@@ -51,10 +52,11 @@ import pytest
 import tomllib
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from accelexp.config import register_configs
-from accelexp.config.validate import check_one_job_of_a_study, validate
+from accelexp.config.validate import check_one_job_of_a_study, check_sweep_objective, validate
 from accelexp.report import main as report_main
 from tests.conftest import CONF_DIR, REPO, new_store, run_here
 
@@ -172,6 +174,19 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+def _points(override: Override) -> list[str]:
+    """The values a swept key takes: each of a list, choice() or range(); the two ends of an
+    interval(), which an optimizing sweeper (Optuna's) draws between."""
+    if override.is_interval_sweep():
+        interval = override.value()
+        return [str(interval.start), str(interval.end)]
+    return list(override.sweep_string_iterator())
+
+
+def _parsed(key: str, value: str) -> Override:
+    return OverridesParser.create().parse_overrides([f"{key}={value}"])[0]
+
+
 def _compose(overrides: list[str]) -> DictConfig:
     """The config of one job, with its `hydra` node (launcher, sweeper params)."""
     register_configs()
@@ -210,23 +225,17 @@ class RunPy:
         study's grid (the command line wins)."""
         parsed = OverridesParser.create().parse_overrides(self.overrides)
         fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
-        swept = {
-            o.get_key_element(): list(o.sweep_string_iterator())
-            for o in parsed
-            if o.is_sweep_override()
-        }
+        swept = {o.get_key_element(): _points(o) for o in parsed if o.is_sweep_override()}
         if not self.multirun:
             assert not swept, f"a sweep ({', '.join(swept)}) without -m"
             return fixed, {}
         study = _compose(fixed).hydra.sweeper.get("params") or {}
         given = {_key(o) for o in fixed} | {_key(k) for k in swept}
         grid = {
-            key: list(p.sweep_string_iterator())
-            if p.is_sweep_override()
-            else [p.get_value_element_as_str()]
+            key: _points(p) if p.is_sweep_override() else [p.get_value_element_as_str()]
             for key, value in study.items()
             if _key(key) not in given
-            for p in OverridesParser.create().parse_overrides([f"{key}={value}"])
+            for p in [_parsed(key, value)]
         }
         return fixed, grid | swept
 
@@ -245,6 +254,8 @@ def compose_and_validate(run: RunPy) -> list[DictConfig]:
         validate(_without_hydra(cfg))
         if not run.multirun:  # a study that sweeps, started without -m, is refused
             check_one_job_of_a_study(cfg.hydra.sweeper.get("params") or {}, job)
+        else:  # and a sweep's objective the sweeper's direction disagrees with
+            check_sweep_objective(cfg)
         configs.append(cfg)
     return configs
 
@@ -309,8 +320,8 @@ def executable(word: str) -> str:
 
 def run_tiny(run: RunPy, configs: list[DictConfig], store: Store) -> None:
     """Run the command for real, its overrides cut to the tiny size and to two jobs (the first
-    two values of its first swept key, the first of the others), tracked into the module's
-    store."""
+    two values of its first swept key, the first of the others; an Optuna study, two trials
+    among those values), tracked into the module's store."""
     sizes = dict(TINY)
     if all(cfg.data.name == "synthetic" for cfg in configs):
         sizes |= TINY_SYNTHETIC
@@ -319,6 +330,8 @@ def run_tiny(run: RunPy, configs: list[DictConfig], store: Store) -> None:
     sizes["mlflow.tracking_uri"] = store.uri
     sizes["hydra.run.dir"] = str(store.folder("run"))
     sizes["hydra.sweep.dir"] = str(store.folder("sweep"))
+    if configs[0].hydra.sweeper.get("n_trials") is not None:  # an optimizing sweeper's
+        sizes["hydra.sweeper.n_trials"] = "2"
     fixed, grid = run.grid()
     kept = [o for o in fixed if _key(o) not in sizes]
     swept = [(key, values) for key, values in grid.items() if _key(key) not in sizes]
@@ -347,6 +360,7 @@ RUN_BY = {
     "parallelism=ddp parallelism.nprocs=2 data=synthetic": "tests/test_contract.py",  # DDP workers
     "-m precision=fp32,amp,bf16": "tests/test_sweeps.py",  # a sweep over precisions, its report
     "+experiment=autotune": "tests/test_autotune.py",  # the loop, its decisions, its path
+    "+experiment=optuna": "tests/test_optuna.py",  # Optuna studies: one and two objectives
 }
 
 
@@ -426,7 +440,7 @@ def ensure_runs(store: Store, experiment: str, latest: bool = False) -> None:
     if study.is_file():  # one job: the first value of each swept key (a 1-worker fp32 baseline)
         grid = OmegaConf.load(study).hydra.sweeper.params
         text = f"run.py -m +experiment={experiment} " + " ".join(
-            f"{key}={str(values).split(',')[0]}" for key, values in grid.items()
+            f"{key}={_points(_parsed(key, values))[0]}" for key, values in grid.items()
         )
     else:
         text = f"run.py -m precision=fp32,bf16 data=synthetic mlflow.experiment={experiment}"

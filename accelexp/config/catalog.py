@@ -44,7 +44,7 @@ class Option:
 
 def primary_groups(conf_dir: Path = CONF_DIR) -> list[str]:
     """The groups `config.yaml` picks a default option of, in its order (not Hydra's own, which
-    it overrides: `override hydra/sweeper`)."""
+    a config it includes overrides: conf/default_sweeper.yaml's `override /hydra/sweeper`)."""
     defaults = OmegaConf.load(conf_dir / "config.yaml").defaults
     keys = [next(iter(entry)) for entry in defaults if isinstance(entry, DictConfig)]
     return [key for key in keys if not key.startswith("override ")]

@@ -7,7 +7,8 @@ composing, before any code of ours runs (`accelexp.config.store` registers the s
 checks live in `accelexp.config.validate`; `--help` shows each key's help, and which keys a run's
 identity leaves out follows from what they affect (`accelexp.config.identity`).
 
-Imports nothing of accelexp but the key declarations, nor Hydra or torch: the report reads it.
+Imports nothing of accelexp but the key declarations and the objectives' names
+(`accelexp.objective`, as light), nor Hydra or torch: the report reads it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from accelexp import objective
 from accelexp.config.keys import Affects, key, like, option_name, section
 
 RESULTS, SPEED, NOTHING = Affects.RESULTS, Affects.SPEED, Affects.NOTHING
@@ -405,6 +407,12 @@ class Config:
         ("same", "vary"),
     )
     repeat_index: int = key(0, "which repeat this job is (set by the sweeper)", RESULTS)
+    objective: Any = key(
+        objective.DEFAULT,
+        "what run.py returns to a sweeper (Optuna), or a list of them",
+        NOTHING,
+        objective.NAMES,
+    )
     epochs: int = key(5, "epochs to train")
     max_steps_per_epoch: int | None = key(None, "cut each epoch after this many steps")
     target_accuracy: float | None = key(

@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from accelexp import objective
 from accelexp.config.catalog import flatten, options_declaring
 from accelexp.config.keys import choices_of
 from accelexp.config.schema import SCHEMAS, Config
@@ -103,6 +104,7 @@ def _rules() -> list[Rule]:
         ("repeats", *at_least_one),
         _either("repeat_seed"),
         ("repeat_index", lambda v: v >= 0, "an integer >= 0 (set by the sweeper)"),
+        ("objective", objective.valid, objective.ALLOWED),
         ("epochs", *at_least_one),
         ("max_steps_per_epoch", *optional_at_least_one),
         ("target_accuracy", lambda v: v is None or 0 < v <= 1, "null or a number in (0, 1]"),
@@ -236,6 +238,7 @@ def validate(cfg: DictConfig) -> None:
             f"  scheduler.warmup_epochs={cfg.scheduler.warmup_epochs} must be shorter than "
             f"epochs={cfg.epochs}."
         )
+    problems += _objective_problems(cfg)
     problems += strategy_rules.problems(cfg)
     problems += _vit_problems(cfg)
     if cfg.optimizer.get("nesterov") and cfg.optimizer.momentum == 0:
@@ -286,10 +289,43 @@ def check_repeats_of_one_job(overrides: Sequence[str]) -> None:
             )
 
 
+def check_sweep_objective(config: DictConfig) -> bool:
+    """A sweep's `objective`, before its first job (each job would fail on it alone): a value
+    that names no objective is a `ConfigError`, and so, for a sweeper that optimizes (one with a
+    `direction`: Optuna's), is a direction that is not the objectives' own. Whether the sweeper
+    optimizes."""
+    setting = config.get("objective", objective.DEFAULT)
+    if OmegaConf.is_config(setting):
+        setting = OmegaConf.to_container(setting)
+    if not objective.valid(setting):
+        raise ConfigError(f"objective={setting!r} is not allowed: expected {objective.ALLOWED}.")
+    direction = config.hydra.sweeper.get("direction")
+    if direction is None:
+        return False
+    problem = objective.check_directions(setting, direction)
+    if problem:
+        raise ConfigError(problem)
+    return True
+
+
 def _example_fix(problem: str) -> str:
     """ ", e.g. `python run.py KEY=...`" for a problem with the value of KEY, else nothing."""
     match = re.match(r"\s*([\w.]+)=", problem)
     return f", e.g. `python run.py {match.group(1)}=...`" if match else ""
+
+
+def _objective_problems(cfg: DictConfig) -> list[str]:
+    """time_to_target as an objective without a target to reach."""
+    setting = cfg.get("objective", objective.DEFAULT)
+    if not objective.valid(setting) or cfg.target_accuracy is not None:
+        return []
+    if not objective.needs_target(setting):
+        return []
+    return [
+        f"  objective={objective.written(objective.names_of(setting))} needs a target, but "
+        f"target_accuracy=null: set target_accuracy (e.g. target_accuracy=0.8, a val_acc the "
+        f"runs reach)."
+    ]
 
 
 def _vit_problems(cfg: DictConfig) -> list[str]:

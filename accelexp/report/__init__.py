@@ -18,6 +18,8 @@ refused one says why, under the table).
 - `diagnose` — one `DiagnosisRow` per run: its step time's shares, its bound, the next override.
 - `memory` — one row per run of `+experiment=memory_vs_speed`: speed, memory per device, the
   largest batch that fit; `memory_vs_speed.png`.
+- `pareto` — the Pareto front of a sweep with two objectives (`objective=[a,b]`): the trials no
+  other beats on both, a table and `pareto.png` (every trial, the front marked).
 - `formats` — CSV, JSON, markdown and rich tables of any of them (the rich ones at a glance in
   100 columns, or `--wide`); summary/ladder/diagnosis files.
 - `plots` — the PNGs: throughput, efficiency, accuracy vs time, the ladder's bars, time breakdown.
@@ -63,6 +65,7 @@ from accelexp.report.formats import (
     write_tables,
 )
 from accelexp.report.ladder import LADDER_COLUMNS, RUNG_NAMES, LadderRow, ladder
+from accelexp.report.pareto import PARETO_PLOT, Front, pareto
 from accelexp.report.plots import (
     LADDER_PLOT,
     PLOT_NAMES,
@@ -87,6 +90,7 @@ __all__ = [
     "LADDER_COLUMNS",
     "LADDER_PLOT",
     "MIN_STEADY_STEPS",
+    "PARETO_PLOT",
     "PLOT_NAMES",
     "RUNG_NAMES",
     "RUNS",
@@ -95,6 +99,7 @@ __all__ = [
     "TIME_PLOT",
     "BaselineError",
     "DiagnosisRow",
+    "Front",
     "LadderRow",
     "Layout",
     "Row",
@@ -104,6 +109,7 @@ __all__ = [
     "ladder",
     "main",
     "measure",
+    "pareto",
     "parse_baseline",
     "plot_ladder",
     "plot_time_breakdown",

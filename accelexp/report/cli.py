@@ -8,6 +8,9 @@ why (a run too short to measure, a comparison refused as not like for like). Wit
 speed-up ladder in the selection, the ladder follows the main table everywhere: a second rich
 table, a second markdown table under a heading, a second CSV block after a blank line, and in JSON
 `{"runs": [...], "ladder": [...]}` (a selection without a ladder keeps the plain list of runs).
+Runs of a sweep with two objectives (`objective=[a,b]`, `accelexp.report.pareto`) get their
+Pareto front the same way, after the ladder: a table, a markdown section, a CSV block, `"pareto"`
+in JSON; and pareto.csv/.md/.png.
 
 With `--diagnose` the command reports where each run's step time went instead: the diagnosis
 table (stdout, diagnosis.csv/.md) and the stacked bars of time_breakdown.png; the comparison's
@@ -55,6 +58,7 @@ from accelexp.report.formats import (
 from accelexp.report.html import write_html
 from accelexp.report.ladder import LadderRow, ladder, ladder_subject
 from accelexp.report.memory import MEMORY, MEMORY_PLOT, MemoryRow, memory_rows, write_memory_report
+from accelexp.report.pareto import PARETO_PLOT, Front, front_markdown, notes, pareto, write_front
 from accelexp.report.plots import LADDER_PLOT, PLOT_NAMES, TIME_PLOT, write_plots, write_time_plot
 from accelexp.tracking import credentials, query
 from accelexp.tracking.query import RunRecord
@@ -68,9 +72,9 @@ def write_sweep_report(
     tracking_uri: str, sweep_run_id: str, out_dir: Path, baseline: str = DEFAULT_BASELINE
 ) -> list[Path]:
     """summary.csv, summary.md, the plots and report.html of a sweep (and ladder.csv, ladder.md,
-    ladder.png when its runs are rungs of the speed-up ladder), logged under `report/` of its
-    parent run: MLflow's artifact viewer shows report/report.html, tables and plots, on the
-    parent run's page.
+    ladder.png when its runs are rungs of the speed-up ladder; pareto.csv, pareto.md, pareto.png
+    when they carry two objectives), logged under `report/` of its parent run: MLflow's artifact
+    viewer shows report/report.html, tables and plots, on the parent run's page.
 
     Called at the end of every sweep, so a sweep without a baseline run still gets its table
     (speedup and efficiency left blank) instead of an error.
@@ -80,9 +84,11 @@ def write_sweep_report(
     records = query.child_runs(tracking_uri, sweep_run_id)
     rows = compare(records, baseline, strict=False)
     rungs = ladder(records)
+    front = pareto(records)
     paths = write_tables(rows, out_dir, rungs) + write_plots(rows, records, out_dir, rungs)
+    paths += write_front(front, out_dir)
     title = sweep_title(parent)
-    paths.append(write_html(title, rows, out_dir, rungs, paths, f"Baseline: {baseline}"))
+    paths.append(write_html(title, rows, out_dir, rungs, paths, f"Baseline: {baseline}", front))
     query.log_artifacts(tracking_uri, sweep_run_id, paths, "report")
     return paths
 
@@ -197,10 +203,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _print_tables(
-    rows: Sequence[Row], rungs: Sequence[LadderRow], title: str, fmt: str, wide: bool = False
+    rows: Sequence[Row],
+    rungs: Sequence[LadderRow],
+    title: str,
+    fmt: str,
+    wide: bool = False,
+    front: Front | None = None,
 ) -> None:
-    """The main table, then the ladder's when there is one, in the format asked for; rich tables
-    at a glance (`RUNS_BRIEF`, `LADDER_BRIEF`: at most `BRIEF_WIDTH` wide) unless `wide`."""
+    """The main table, then the ladder's and the Pareto front's when there are, in the format
+    asked for; rich tables at a glance (`RUNS_BRIEF`, `LADDER_BRIEF`: at most `BRIEF_WIDTH` wide)
+    unless `wide`."""
     ladder_title = f"Speed-up ladder: {ladder_subject(rungs)}"
     if fmt == "table":
         from rich.console import Console
@@ -208,6 +220,9 @@ def _print_tables(
         tables = [render_table(rows, title, RUNS if wide else RUNS_BRIEF)]
         if rungs:
             tables.append(render_table(rungs, ladder_title, LADDER if wide else LADDER_BRIEF))
+        if front:
+            caption = "\n".join(notes(front)) or None
+            tables.append(render_table(front.rows, front.title, front.layout, caption))
         console = Console()
         if not console.is_terminal:  # a pipe or a file: no terminal's width to fit
             width = BRIEF_WIDTH
@@ -216,16 +231,22 @@ def _print_tables(
             console = Console(width=width)
         for table in tables:
             console.print(table, width=console.width if wide else min(console.width, BRIEF_WIDTH))
-    elif fmt == "json" and rungs:
-        document = {"runs": to_records(rows), "ladder": to_records(rungs)}
+    elif fmt == "json" and (rungs or front):
+        document = {"runs": to_records(rows)}
+        if rungs:
+            document["ladder"] = to_records(rungs)
+        if front:
+            document["pareto"] = to_records(front.rows)
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
     elif fmt == "json":
         sys.stdout.write(to_json(rows))
     elif fmt == "csv":
         sys.stdout.write(to_csv(rows) + (f"\n{to_csv(rungs, LADDER)}" if rungs else ""))
+        sys.stdout.write(f"\n{to_csv(front.rows, front.layout)}" if front else "")
     else:
         ladder_section = f"\n### {ladder_title}\n\n{to_markdown(rungs, LADDER)}"
         sys.stdout.write(to_markdown(rows) + (ladder_section if rungs else ""))
+        sys.stdout.write(f"\n{front_markdown(front)}" if front else "")
 
 
 def _print_diagnosis(rows: Sequence[DiagnosisRow], title: str, fmt: str) -> None:
@@ -277,13 +298,17 @@ def _comparison(
     """The comparison (and the ladder): computed and written, then printed."""
     rows = compare(records, args.baseline)
     rungs = ladder(records)
+    front = pareto(records)
     written = write_tables(rows, out_dir, rungs)
     if not args.no_plots:
         written += write_plots(rows, records, out_dir, rungs)
-    written.append(write_html(title, rows, out_dir, rungs, written, f"Baseline: {args.baseline}"))
+    written += write_front(front, out_dir, plots=not args.no_plots)
+    subtitle = f"Baseline: {args.baseline}"
+    written.append(write_html(title, rows, out_dir, rungs, written, subtitle, front))
 
-    _print_tables(rows, rungs, f"{title} — baseline {args.baseline}", args.format, args.wide)
+    _print_tables(rows, rungs, f"{title} — baseline {args.baseline}", args.format, args.wide, front)
     plots = [*PLOT_NAMES, LADDER_PLOT] if rungs else list(PLOT_NAMES)
+    plots += [PARETO_PLOT] if front else []
     _tell_written(written, out_dir, [] if args.no_plots else plots)
     gone = {record.run_id: record.tags.get(ENDED) for record in records}
     for row in rows:

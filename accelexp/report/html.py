@@ -3,10 +3,11 @@
 MLflow shows an HTML artifact in a sandboxed frame loaded from a blob, where a relative link to
 another artifact leads nowhere, so the page carries everything itself: inline CSS, no script, the
 plots embedded as `data:image/png;base64` images. It holds what the text report holds — the runs
-table (`RUNS`), the speed-up ladder's table when there is one (`LADDER`), the notes under a table
-that say why a row's figure is blank, and every plot written — cells and notes worded by the same
-`Layout`s as the markdown and rich tables, so the numbers read the same everywhere. All text is
-escaped.
+table (`RUNS`), the speed-up ladder's table when there is one (`LADDER`), the Pareto front of a
+sweep with two objectives (`accelexp.report.pareto`) with the runs it left out, the notes under a
+table that say why a row's figure is blank, and every plot written — cells and notes worded by
+the same `Layout`s as the markdown and rich tables, so the numbers read the same everywhere. All
+text is escaped.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from accelexp.report.compare import Row
 from accelexp.report.formats import LADDER, NOTES_HEADING, RUNS, Layout
 from accelexp.report.ladder import LadderRow, ladder_subject
+from accelexp.report.pareto import Front, notes
 
 HTML_NAME = "report.html"
 STYLE = """
@@ -92,9 +94,11 @@ def write_html(
     ladder_rows: Sequence[LadderRow] = (),
     plots: Sequence[Path] = (),
     subtitle: str = "",
+    front: Front | None = None,
 ) -> Path:
     """Write `out_dir/report.html`: the title, the runs table and its notes, the ladder's table
-    and notes when there are ladder rows, and the PNGs among `plots` embedded; its path."""
+    and notes when there are ladder rows, the Pareto front's table and the runs it left out when
+    there is a front, and the PNGs among `plots` embedded; its path."""
     sections = [
         f"<h1>{html.escape(title)}</h1>",
         f'<p class="sub">{html.escape(subtitle)}</p>' if subtitle else "",
@@ -107,6 +111,13 @@ def write_html(
             f"<h2>Speed-up ladder: {html.escape(ladder_subject(ladder_rows))}</h2>",
             _table(ladder_rows, LADDER),
             _notes(ladder_rows, LADDER),
+        ]
+    if front:
+        left_out = "".join(f"<li>{html.escape(note)}</li>" for note in notes(front))
+        sections += [
+            f"<h2>{html.escape(front.title)}</h2>",
+            _table(front.rows, front.layout),
+            f'<ul class="notes">{left_out}</ul>' if left_out else "",
         ]
     figures = [_figure(Path(p)) for p in plots if Path(p).suffix == ".png"]
     if figures:

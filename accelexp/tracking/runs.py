@@ -40,7 +40,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from accelexp import processes, record
+from accelexp import objective, processes, record
 from accelexp.errors import AccelexpError
 from accelexp.tracking import credentials
 
@@ -606,11 +606,15 @@ def run_name(
 
 
 def _short(key: str, value: str) -> str:
-    """A swept key's value as a run's name shows it: np2, amp, adamw (a group), lr=0.2."""
+    """A swept key's value as a run's name shows it: np2, amp, adamw (a group), lr=0.2; a number
+    an optimizing sweeper drew to 4 significant digits (lr=0.03756, not 0.03756196144499839)."""
     if key == "parallelism.nprocs":
         return f"np{value}"
     if key in SHOWN_BY_VALUE or "." not in key:
         return value
+    with contextlib.suppress(ValueError):
+        if "." in value and len(value) > len(f"{float(value):.4g}"):
+            value = f"{float(value):.4g}"
     return f"{key.rpartition('.')[2]}={value}"
 
 
@@ -636,6 +640,7 @@ def run_tags(cfg: DictConfig, world_size: int, overrides: Sequence[str] = ()) ->
         record.REPEAT_INDEX: str(cfg.repeat_index),
         record.REPEATS: str(cfg.repeats),
         record.OVERRIDES: credentials.redact(" ".join(overrides)),
+        **objective.tags(cfg.get("objective", objective.DEFAULT)),
         **{str(k): str(v) for k, v in (cfg.mlflow.get("tags") or {}).items()},
     }
 
@@ -700,8 +705,15 @@ def close_run(mlflow_cfg: DictConfig, output_dir: str | Path, status: str) -> No
 # --- sweeps: one parent run per multirun -------------------------------------------------
 
 
-def start_sweep(mlflow_cfg: DictConfig, name: str, grid: Mapping[str, str], sweep_dir: str) -> str:
-    """Open the parent run of a sweep and hand it to the sweep's jobs; returns its run id."""
+def start_sweep(
+    mlflow_cfg: DictConfig,
+    name: str,
+    grid: Mapping[str, str],
+    sweep_dir: str,
+    tags: Mapping[str, str] | None = None,
+) -> str:
+    """Open the parent run of a sweep (`tags` added to its own) and hand it to the sweep's jobs
+    in this process (`sweep_environment`); returns its run id."""
     from mlflow.entities import Param
 
     tracker = Tracker(mlflow_cfg)
@@ -710,6 +722,7 @@ def start_sweep(mlflow_cfg: DictConfig, name: str, grid: Mapping[str, str], swee
     tags = {
         record.SWEEP_PARENT: "true",
         record.SWEEP_DIR: sweep_dir,
+        **(tags or {}),
         **_git_tags(),
         **where_it_runs(),
     }
@@ -717,10 +730,18 @@ def start_sweep(mlflow_cfg: DictConfig, name: str, grid: Mapping[str, str], swee
     items = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in grid.items()]
     for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
         client.log_batch(run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
-    os.environ[PARENT_RUN_ENV] = run_id
-    os.environ[SWEEP_NAME_ENV] = name
-    os.environ[SWEPT_KEYS_ENV] = ",".join(k for k, v in grid.items() if "," in v)
+    os.environ.update(sweep_environment(run_id, name, grid))
     return run_id
+
+
+def sweep_environment(run_id: str, name: str, grid: Mapping[str, str]) -> dict[str, str]:
+    """What a job's process needs in its environment to make its run a child of the sweep's
+    parent `run_id` (and its worker processes, which inherit it)."""
+    return {
+        PARENT_RUN_ENV: run_id,
+        SWEEP_NAME_ENV: name,
+        SWEPT_KEYS_ENV: ",".join(k for k, v in grid.items() if "," in v),
+    }
 
 
 def end_sweep(

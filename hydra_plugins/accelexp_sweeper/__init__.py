@@ -1,5 +1,5 @@
 """accelexp's sweepers as Hydra plugins: Hydra's basic sweeper with `repeats=N` round-robin
-(Hydra's default `hydra/sweeper: basic`, also named `repeat`), and the autotune loop
+(`hydra/sweeper=repeat`, conf/default_sweeper.yaml's), and the autotune loop
 (`hydra/sweeper=autotune`, chosen by `+experiment=autotune`).
 
 Hydra instantiates sweepers from its `hydra_plugins` package only; what the sweepers do lives in
@@ -32,13 +32,9 @@ class RepeatSweeperConf(BasicSweeperConf):
     _target_: str = "hydra_plugins.accelexp_sweeper.RepeatSweeper"
 
 
-# Hydra's default sweeper (`basic`) is this one — the basic sweeper when repeats=1 — so that no
-# primary config's `override hydra/sweeper` shadows an experiment file's (Hydra keeps the first
-# override of a group it meets, and the primary config comes before the experiment's)
-for name in ("basic", "repeat"):
-    ConfigStore.instance().store(
-        group="hydra/sweeper", name=name, node=RepeatSweeperConf, provider="accelexp"
-    )
+ConfigStore.instance().store(
+    group="hydra/sweeper", name="repeat", node=RepeatSweeperConf, provider="accelexp"
+)
 
 
 @dataclass
