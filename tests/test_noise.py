@@ -168,6 +168,8 @@ def test_the_jobs_own_processes_are_not_others(how: str, monkeypatch: pytest.Mon
             child.wait()
     # the hog case reads ~1.0, a quiet machine ~0.0-0.05 (a shared one can add a little)
     assert sample.others_cores is not None and sample.others_cores < OTHERS_CORES, sample
+    # the job's: the matmul thread's core and the busy process's (one alone: at most 1.0)
+    assert sample.job_cores is not None and sample.job_cores >= 1.1, sample
 
 
 @needs_proc

@@ -4,7 +4,7 @@ A speed measured on a machine that other work was using is a measurement of the 
 the run. While an epoch's training steps are timed, `ContentionProbe` reads what a shared machine
 shows, on each rank: the CPU time of this process (and its children) against wall time × its
 threads; the host's busy and stolen time from `/proc/stat`, over the CPUs this process may run on;
-the CPU time of the job's own processes (this process tree, and every local process whose
+the CPU time of the job's own processes (`job_cores`: this tree, and every local process whose
 environment carries the job's token, `accelexp.processes.JOB_ENV`), so that what the host was busy
 with beyond the job is the `others_cores`; the 1-minute load; the spread of the step times; on
 CUDA, through NVML (`nvidia-ml-py`, optional), the processes on the GPU that are not the job's, its
@@ -90,6 +90,7 @@ class NoiseSample:
     steal: float | None
     load1: float | None
     step_spread: float | None
+    job_cores: float | None = None  # cores the job's processes kept busy (all of them, here)
     gpu_other_processes: int | None = None
     gpu_throttle: str | None = None
     gpu_temp_c: float | None = None
@@ -145,9 +146,10 @@ class ContentionProbe:
         tree_s, job_s, pids = self._cpu()
         host, wall = self._host(), max(time.perf_counter() - t0, 1e-9)
         others = steal = None
+        job = max(0.0, job_s - job0)
         if host is not None and host0 is not None:
             busy, stolen, total = (b - a for a, b in zip(host0, host, strict=True))
-            others = max(0.0, busy - max(0.0, job_s - job0)) / wall
+            others = max(0.0, busy - job) / wall
             steal = stolen / total if total > 0 else None
         sample = NoiseSample(
             wall_s=wall,
@@ -157,6 +159,7 @@ class ContentionProbe:
             steal=steal,
             load1=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
             step_spread=_spread(step_seconds),
+            job_cores=job / wall,
         )
         if self.gpu is not None:
             self.gpu.read(sample, pids)
