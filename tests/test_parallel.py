@@ -31,6 +31,7 @@ from accelexp.parallel import build_strategy, connect
 from accelexp.parallel.base import ShardSampler
 from accelexp.parallel.rules import several_workers
 from accelexp.parallel.world import World, WorldShape, current_world, free_port
+from accelexp.processes import JOB_ENV
 
 STRATEGIES = ("ddp", "horovod")
 
@@ -322,10 +323,22 @@ def test_dp_on_a_cpu_runs_the_plain_module(compose_cfg, tmp_path, caplog):
         ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3"}, World(3, 8, 3, "torchrun")),
         ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}, World(5, 8, 1, "slurm")),
         ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}, World()),  # one task
+        (  # 4 on each of two nodes, 3 on the third: this is the third
+            {"SLURM_PROCID": "9", "SLURM_NTASKS": "11", "SLURM_LOCALID": "1",
+             "SLURM_STEP_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2",
+             "SLURM_STEP_NUM_NODES": "3"},
+            World(9, 11, 1, "slurm", local_size=3, nodes=3),
+        ),
+        (  # accelexp's own launcher started it (parallelism.nprocs=2)
+            {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+             JOB_ENV: "a-job"},
+            World(1, 2, 1, "torchrun", local_size=2, by_accelexp=True),
+        ),
     ],
-)
+)  # fmt: skip
 def test_the_world_is_read_from_the_launchers_environment(env, expected):
     assert current_world(env) == expected
+    assert expected.hosts == (expected.nodes or 1)  # not said: all on this host
 
 
 @pytest.mark.parametrize(("rule", "expected"), [("linear", 0.8), ("sqrt", 0.4), ("none", 0.2)])

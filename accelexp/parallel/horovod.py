@@ -25,6 +25,7 @@ records every tensor's negotiation and allreduce.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -96,7 +97,13 @@ class HorovodSync(Sync):
                 f"needs an MPI build). Start the job with horovodrun instead, e.g. inside the "
                 f"allocation: horovodrun -np {world.world_size} -H <hosts> python run.py ..."
             )
-        return World(hvd.rank(), hvd.size(), hvd.local_rank(), world.source)
+        return replace(
+            world,
+            rank=hvd.rank(),
+            world_size=hvd.size(),
+            local_rank=hvd.local_rank(),
+            local_size=hvd.local_size(),
+        )
 
     def leave(self) -> None:
         self.hvd.shutdown()

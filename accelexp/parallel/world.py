@@ -2,14 +2,22 @@
 
 `current_world()` answers "am I inside a world, and where?" for every launcher we join:
 
-- horovodrun:        HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK
-- torchrun:          RANK, WORLD_SIZE, LOCAL_RANK (+ MASTER_ADDR, MASTER_PORT)
-- Slurm's srun:      SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID (+ the node list for the master)
-- Open MPI's mpirun: OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK
+- horovodrun:        HOROVOD_RANK, HOROVOD_SIZE, HOROVOD_LOCAL_RANK, HOROVOD_LOCAL_SIZE
+- torchrun:          RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (+ MASTER_ADDR, MASTER_PORT)
+- Slurm's srun:      SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_STEP_TASKS_PER_NODE with
+                     SLURM_NODEID, SLURM_STEP_NUM_NODES (+ the node list for the master)
+- Open MPI's mpirun: OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK,
+                     OMPI_COMM_WORLD_LOCAL_SIZE
+
+A world accelexp's own launcher made (`accelexp.launch`: torchrun or horovodrun started by
+`parallelism.nprocs`) carries the job's token (`accelexp.processes.JOB_ENV`) and is sized by
+`parallelism.nprocs`; any other is the user's launcher's (`World.launcher`), sized by its own
+flags: `World.relaunch` writes them for a number of processes per host.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -18,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from accelexp.errors import AccelexpError, ConfigError
+from accelexp.processes import JOB_ENV
 from accelexp.record import DEVICES_PER_REPLICA, REPLICAS, WORLD_SIZE
 
 if TYPE_CHECKING:  # torch is imported by the code that builds a shape, not by launchers
@@ -29,6 +38,11 @@ _SOURCES = {
     "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
     "mpirun": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
 }
+_LOCAL_SIZES = {  # the processes on this host (Slurm's: `_slurm_tasks_here`)
+    "horovodrun": "HOROVOD_LOCAL_SIZE",
+    "torchrun": "LOCAL_WORLD_SIZE",
+    "mpirun": "OMPI_COMM_WORLD_LOCAL_SIZE",
+}
 
 
 @dataclass(frozen=True)
@@ -37,11 +51,44 @@ class World:
     world_size: int = 1
     local_rank: int = 0
     source: str | None = None  # the launcher whose environment this came from
+    local_size: int | None = None  # its processes on this host; None: not said (all of them)
+    nodes: int | None = None  # its hosts; None: not said (as many as `per_host` makes)
+    by_accelexp: bool = False  # accelexp's own launcher made it (`parallelism.nprocs`)
 
     @property
     def joined(self) -> bool:
         """True when a launcher started this process as one of several."""
         return self.source is not None
+
+    @property
+    def launcher(self) -> str | None:
+        """The launcher the user ran to make this world, whose flags size it (a joined world
+        ignores `parallelism.nprocs`); None: a world of one, or accelexp's own."""
+        return None if self.by_accelexp else self.source
+
+    @property
+    def per_host(self) -> int:
+        """The world's processes on this host."""
+        return self.local_size or self.world_size
+
+    @property
+    def hosts(self) -> int:
+        return self.nodes or math.ceil(self.world_size / self.per_host)
+
+    def relaunch(self, per_host: int) -> str:
+        """The user's launcher's own command line for this world with `per_host` processes on
+        each of its hosts, e.g. `torchrun --nnodes=2 --nproc-per-node=4`."""
+        hosts, total = self.hosts, self.hosts * per_host
+        if self.launcher == "torchrun":
+            return f"torchrun --nnodes={hosts} --nproc-per-node={per_host}"
+        if self.launcher == "horovodrun":
+            slots = ",".join(f"host{k + 1}:{per_host}" for k in range(hosts))
+            return f"horovodrun -np {total} -H {slots if hosts > 1 else f'localhost:{per_host}'}"
+        if self.launcher == "slurm":
+            return f"srun --ntasks={total} --ntasks-per-node={per_host}"
+        if self.launcher == "mpirun":
+            return f"mpirun -np {total} --map-by ppr:{per_host}:node"
+        raise ValueError(f"no launcher's flags size this world (source {self.source})")
 
 
 @dataclass(frozen=True)
@@ -116,8 +163,33 @@ def current_world(env: Mapping[str, str] = os.environ) -> World:
             continue
         # a one-task Slurm or MPI job is no world to join: accelexp may start its own workers
         if int(env[size]) > 1 or source in ("horovodrun", "torchrun"):
-            return World(int(env[rank]), int(env[size]), int(env.get(local, 0)), source)
+            slurm = source == "slurm"
+            here = _slurm_tasks_here(env) if slurm else env.get(_LOCAL_SIZES[source])
+            nodes = (env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES")) if slurm else None
+            return World(
+                int(env[rank]),
+                int(env[size]),
+                int(env.get(local, 0)),
+                source,
+                local_size=int(here) if here else None,
+                nodes=int(nodes) if nodes else None,
+                by_accelexp=JOB_ENV in env,
+            )
     return World()
+
+
+def _slurm_tasks_here(env: Mapping[str, str]) -> int | None:
+    """This node's tasks, from Slurm's compressed per-node counts ("4(x2),3") and the node's
+    index; None when Slurm does not say."""
+    text = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not text:
+        return None
+    counts = []
+    for part in text.split(","):
+        count, _, times = part.partition("(x")
+        counts += [int(count)] * int(times.rstrip(")") or 1)
+    node = int(env.get("SLURM_NODEID", 0))
+    return counts[node] if node < len(counts) else None
 
 
 def free_port() -> int:
