@@ -223,6 +223,20 @@ def test_the_advice_is_the_runs_own(compose_cfg):
     assert "parallelism.reshard_after_forward=true" in advice
 
 
+def test_a_command_is_never_the_next_override(compose_cfg):
+    """A launcher's command (accelexp.advice) is kept as it is, and no `diagnosis_next`."""
+    bf16 = facts("cpu", forward=1, backward=2)
+    bf16.config = compose_cfg("parallelism=ddp", "precision=bf16")
+    bf16.scale_out = ("$ torchrun --nnodes=1 --nproc-per-node=2 … threads=1", "2 workers")
+    verdict = diagnose(bf16)
+    assert verdict.advice == [bf16.scale_out]  # the only advice left
+    assert verdict.tags()["diagnosis_next"] == ""
+    assert verdict.tags()["diagnosis_advice"] == "[]"  # nothing for autotune to try
+    assert "try $ torchrun --nnodes=1 --nproc-per-node=2 … threads=1: 2 workers" in (
+        verdict.console()
+    )
+
+
 # --- out of memory ------------------------------------------------------------------------------
 
 

@@ -22,7 +22,9 @@ effect (`precision=bf16` to a bf16 run) or one the config's validation refuses (
 `speed.compile=reduce-overhead`, to an `fsdp` run) is left out, "more devices" is the strategy's
 own (`Strategy.scale_out_advice`: twice its workers, say), the strategies' ways to need less
 memory per device are theirs (`accelexp.parallel.rules.MEMORY_ADVICE`), and
-`speed.channels_last` is offered only to a model with convolutions.
+`speed.channels_last` is offered only to a model with convolutions. A launcher's command
+(`$ torchrun …`, `accelexp.advice`) is not an override: it is kept as it is, never validated as
+one, the `diagnosis_next` tag nor in the `diagnosis_advice` tag that autotune tries.
 
 An override autotune measured on this setting on this host and rejected (`RunFacts.rejected`,
 looked up in the store) is not offered again; the evidence says so.
@@ -46,6 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from accelexp import record
+from accelexp.advice import Advice, is_command, overrides
 from accelexp.config import ConfigError, validate
 from accelexp.config.catalog import flatten
 from accelexp.parallel.rules import MEMORY_ADVICE, ONE_DEVICE_SCALE_OUT
@@ -94,14 +97,16 @@ class Verdict:
     bound: str  # input | communication | memory | overhead | contended | compute
     detail: str  # one line of evidence
     evidence: list[str]
-    advice: list[tuple[str, str]]  # (override, why)
+    advice: list[Advice]  # (override or command, why): `accelexp.advice`
 
     def tags(self) -> dict[str, str]:
+        first = overrides(self.advice)[:1]  # a launcher's command is not an override to try
         return {
             record.DIAGNOSIS: self.bound,
             record.DIAGNOSIS_DETAIL: self.detail,
-            record.DIAGNOSIS_NEXT: self.advice[0][0] if self.advice else "",
-            record.DIAGNOSIS_ADVICE: json.dumps(self.advice),  # [[override, why], ...]
+            record.DIAGNOSIS_NEXT: first[0][0] if first else "",
+            # [[override, why], ...]: what a program (autotune) may try, no launcher's command
+            record.DIAGNOSIS_ADVICE: json.dumps(overrides(self.advice)),
         }
 
     def console(self) -> str:
@@ -179,14 +184,15 @@ def diagnose(facts: RunFacts) -> Verdict:
 
 
 def usable(
-    advice: list[tuple[str, str]], cfg: DictConfig | None, in_effect: Mapping[str, str] = {}
-) -> list[tuple[str, str]]:
-    """The advice a run of `cfg` can take: not in effect already (in `cfg`, or `in_effect`:
-    what an `auto` chose), and not refused by the config's validation. No `cfg`: all of it."""
+    advice: list[Advice], cfg: DictConfig | None, in_effect: Mapping[str, str] = {}
+) -> list[Advice]:
+    """The advice a run of `cfg` can take: overrides not in effect already (in `cfg`, or
+    `in_effect`: what an `auto` chose) and not refused by the config's validation; a launcher's
+    command as it is (`accelexp.advice`: not an override). No `cfg`: all of it."""
     if cfg is None:
         return advice
     settings = settings_of(cfg, in_effect)
-    return [item for item in advice if _usable(item[0], cfg, settings)]
+    return [item for item in advice if is_command(item) or _usable(item[0], cfg, settings)]
 
 
 def settings_of(cfg: DictConfig, in_effect: Mapping[str, str]) -> dict[str, str]:
@@ -320,7 +326,7 @@ def _diagnose(facts: RunFacts) -> Verdict:
     return Verdict("compute", detail, evidence, advice)
 
 
-def memory_advice(batch_size: int) -> list[tuple[str, str]]:
+def memory_advice(batch_size: int) -> list[Advice]:
     """The ways to need less memory per device, the cheapest first."""
     return [
         ("precision=bf16", "half-width activations: about half the memory they take"),
