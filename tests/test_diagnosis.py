@@ -10,6 +10,7 @@ with one message, and a sweep goes on past them.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,11 +18,18 @@ import torch
 from conftest import compose_config, new_store, only_run, output_of
 from mlflow import MlflowClient
 
-from accelexp.diagnosis.verdict import RunFacts, diagnose
+from accelexp.advice import is_command
+from accelexp.config.resources import usable_cores
+from accelexp.diagnosis.noise import NoiseSample
+from accelexp.diagnosis.run import RunDiagnosis
+from accelexp.diagnosis.verdict import RunFacts, diagnose, usable
 from accelexp.engine import eager_warmup_steps
 from accelexp.launch import launch
-from accelexp.parallel import build_strategy
+from accelexp.machine import IDLE_CORES_MIN, Machine
+from accelexp.parallel import build_strategy, connect
 from accelexp.parallel.ddp import TimedAllreduce
+from accelexp.parallel.world import World, WorldShape
+from accelexp.processes import JOB_ENV
 from accelexp.timing import BACKWARD, FORWARD, INPUT, Breakdown, CommTime, StepClock
 from accelexp.train import run
 
@@ -104,12 +112,41 @@ def test_a_tiny_model_with_a_tiny_batch_is_overhead_bound(compose_cfg, tmp_path,
 
 @pytest.mark.alone  # a verdict read from timings: no other test beside it
 def test_a_cnn_at_a_normal_batch_is_compute_bound(compose_cfg, tmp_path, tracking_uri):
+    """... and, on one thread (the tests' default), is offered more workers: it left the
+    machine's other cores idle, measured while it was timed."""
     cfg = compose_cfg("data.batch_size=128", "data.image_size=28", "max_steps_per_epoch=8")
     run(cfg, tmp_path / "out")
     metrics, tags, report = diagnosis_of(tracking_uri)
     assert tags["diagnosis"] == "compute", report
     assert metrics["flop_utilisation"] >= 0.05
     assert metrics["time/input_s"] / sum(metrics[k] for k in TIME_PARTS) < 0.25
+    assert cfg.threads == 1 and idle_cores(metrics) >= IDLE_CORES_MIN, report
+    cores = usable_cores()
+    assert f"`parallelism=ddp parallelism.nprocs={cores} threads=1`" in report  # 1 each
+
+
+@pytest.mark.alone  # reads the cores the run kept busy: no other test beside it
+def test_a_run_that_kept_every_core_busy_is_offered_no_more_workers(
+    compose_cfg, tmp_path, tracking_uri
+):
+    """Whatever bounds it (on this shared machine a 2-thread run is often contended by the
+    hypervisor's steal), no more workers, and the evidence says why."""
+    cores = usable_cores()
+    cfg = compose_cfg(
+        "data.batch_size=128", "data.image_size=28", "max_steps_per_epoch=8", f"threads={cores}"
+    )
+    run(cfg, tmp_path / "out")
+    metrics, _, report = diagnosis_of(tracking_uri)
+    if idle_cores(metrics) >= IDLE_CORES_MIN:
+        pytest.skip(f"{cores} threads left cores idle on this machine: {report}")
+    assert "parallelism.nprocs" not in report
+    assert f"all {cores} usable cores busy while timed" in report
+
+
+def idle_cores(metrics: dict[str, float]) -> float:
+    """The cores a run left idle while timed, from its logged `noise/*` figures."""
+    cores, busy = metrics["noise/host_cores"], metrics["noise/job_cores"]
+    return cores * (1 - metrics["noise/steal"]) - busy - metrics["noise/others_cores"]
 
 
 @pytest.mark.alone  # a verdict read from timings: no other test beside it
@@ -177,30 +214,43 @@ def overrides_of(verdict) -> list[str]:
     return [override for override, _ in verdict.advice]
 
 
+def scale_out(cfg, machine: Machine, world: World | None = None, devices: int = 1):
+    """The strategy of `cfg`'s advice for more devices, as if set up in `world` (of one)."""
+    strategy, world = build_strategy(cfg), world or World()
+    strategy.world, strategy.shape = world, WorldShape(world.world_size, devices)
+    return strategy.scale_out_advice(machine)
+
+
+FOUR_GPUS = Machine("cuda", cores=16, gpus=4)
+IDLE_CORE = Machine("cpu", cores=2, threads=1, job_cores=1.0, others_cores=0.04, worker_cores=1.0)
+ACCELEXPS_TWO = World(0, 2, 0, "torchrun", by_accelexp=True)  # parallelism.nprocs=2 started it
+
+
 def test_the_advice_is_the_runs_own(compose_cfg):
-    """Nothing the run does already, nothing its config would refuse; more devices = twice its
-    workers; channels_last only for convolutions and only where it is off."""
+    """Nothing the run does already, nothing its config would refuse; more devices only where
+    the machine has them idle; channels_last only for convolutions and only where it is off."""
     compute = facts("cuda", forward=1, backward=2)
     single = overrides_of(diagnose(compute))  # no config: every piece of advice
     assert single[:2] == ["precision=bf16", "precision=amp"]
     assert "speed.channels_last=true" in single
-    assert single[-1] == "parallelism=ddp parallelism.nprocs=2"
+    assert not any("nprocs" in override for override in single)  # no machine: no more devices
 
     compute.config = compose_cfg("parallelism=ddp", "parallelism.nprocs=2", "precision=bf16")
-    compute.scale_out = build_strategy(compute.config).scale_out_advice()
+    compute.scale_out = scale_out(compute.config, FOUR_GPUS, ACCELEXPS_TWO)
     compute.in_effect = {"speed.channels_last": "true"}  # what `auto` chose
     advice = overrides_of(diagnose(compute))
     assert advice == ["precision=amp", "speed.tf32=true", "parallelism.nprocs=4"]
     compute.in_effect, compute.convolutional = {}, False  # a ViT: no NHWC layout to offer
     assert "speed.channels_last=true" not in overrides_of(diagnose(compute))
     compute.config = compose_cfg("parallelism=model")
-    compute.scale_out = build_strategy(compute.config).scale_out_advice()
+    compute.scale_out = scale_out(compute.config, FOUR_GPUS, devices=2)  # 2 stages
     assert overrides_of(diagnose(compute))[-1] == "parallelism=hybrid parallelism.nprocs=2"
     # on a CPU, amp is bf16 autocast: a run with either is offered neither
     on_cpu = facts("cpu", forward=1, backward=2)
     on_cpu.config = compose_cfg("precision=amp")
     on_cpu.in_effect = {"precision": "bf16"}  # amp on a CPU: Precision.effective_name
-    assert overrides_of(diagnose(on_cpu)) == ["parallelism=ddp parallelism.nprocs=2"]
+    on_cpu.scale_out = scale_out(on_cpu.config, IDLE_CORE)
+    assert overrides_of(diagnose(on_cpu)) == ["parallelism=ddp parallelism.nprocs=2 threads=1"]
 
     # fsdp refuses CUDA graphs: the overhead verdict offers the bigger batch and fused kernels
     busy = facts("cuda", forward=1, backward=2)
@@ -221,6 +271,153 @@ def test_the_advice_is_the_runs_own(compose_cfg):
     advice = overrides_of(diagnose(full))
     assert "parallelism=fsdp" not in advice
     assert "parallelism.reshard_after_forward=true" in advice
+
+
+# --- more devices: only where the machine has them idle -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("cores", "threads", "workers", "job", "others", "expected"),
+    [
+        (2, 1, 1, 1.02, 0.03, (2, 1)),  # threads=1 on 2 cores: a core idle
+        (2, 2, 1, 1.95, 0.02, None),  # the default run: both cores busy
+        (2, 1, 1, 1.02, 0.60, None),  # the idle core was another process's
+        (2, 1, 2, 1.98, 0.00, None),  # 2 workers x 1 thread: all busy
+        (8, 2, 1, 2.05, 0.10, (4, 2)),  # one worker kept its 2 threads busy
+        (8, 8, 1, 2.30, 0.00, (4, 2)),  # ... of 8: it kept 2 cores busy, workers get 2
+        (8, 1, 2, 2.10, 0.00, (8, 1)),  # 2 workers x 1 thread on 8 cores
+        (6, 6, 1, 4.10, 0.00, (2, 3)),  # 4 busy: 3 threads each, the divisor of 6 below 4
+        (8, 4, 2, 7.40, 0.00, None),  # 2 x 4 threads, 0.6 idle: no more workers fit
+        (2, 1, 1, None, None, None),  # not measured: nothing assumed
+    ],
+)
+def test_more_workers_on_a_cpu_only_where_cores_were_idle(
+    cores, threads, workers, job, others, expected
+):
+    worker = None if job is None else job / workers  # each worker's share of the job's
+    machine = Machine("cpu", cores, threads, 0, job, others, worker)
+    room = machine.room(workers)
+    assert (room and (room.workers, room.threads)) == expected
+    if room is not None:
+        assert room.workers * room.threads == cores  # threads that sum to the cores
+        assert f"{machine.idle_cores:.1f} of them idle while timed" in room.why
+
+
+@pytest.mark.parametrize(
+    ("gpus", "workers", "per_worker", "expected"),
+    [
+        (8, 1, 1, 8),  # one GPU of 8 in use
+        (1, 1, 1, None),  # the only one
+        (8, 8, 1, None),  # all in use
+        (8, 2, 2, 4),  # 2 replicas of 2 stages: 4 fit
+        (8, 1, 8, None),  # DataParallel over all of them
+        (3, 1, 2, None),  # a third GPU, but not a second replica's two
+    ],
+)
+def test_more_workers_on_a_gpu_only_where_more_are_visible(gpus, workers, per_worker, expected):
+    room = Machine("cuda", cores=16, gpus=gpus).room(workers, per_worker)
+    assert (room and room.workers) == expected
+    assert room is None or room.threads is None
+
+
+def test_no_idle_cores_no_scale_out_and_the_evidence_says_so(compose_cfg):
+    busy = Machine("cpu", 2, threads=2, job_cores=1.93, others_cores=0.04, worker_cores=1.93)
+    compute = facts("cpu", forward=1, backward=2)
+    compute.config = compose_cfg("threads=2")
+    compute.scale_out, compute.machine = scale_out(compute.config, busy), busy
+    verdict = diagnose(compute)
+    assert verdict.bound == "compute" and overrides_of(verdict) == ["precision=bf16"]
+    assert "all 2 usable cores busy while timed (busiest epoch: the job's 1.9, others' 0.0)" in (
+        verdict.markdown("run")
+    )
+    compute.machine = IDLE_CORE
+    assert "1.0 of the 2 usable cores idle while timed" in diagnose(compute).markdown("run")
+
+
+def test_the_measured_path_from_recorded_samples(compose_cfg, monkeypatch):
+    """What RunDiagnosis makes of each epoch's contention figures: the epoch that left the
+    fewest cores idle decides. Figures recorded on this 2-core machine (machine.py)."""
+    cfg = compose_cfg("threads=1")
+    strategy, precision = connect(cfg)
+    diagnosis = RunDiagnosis(strategy, precision, cfg, flops_per_sample=None)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the run's, as train.run sets
+    quiet = NoiseSample(2.0, 0.99, 0.03, 2, 0.0, 1.1, 1.1, job_cores=1.01)
+    diagnosis.noise = [quiet, replace(quiet, others_cores=0.3)]
+    machine = diagnosis.machine()
+    assert machine.idle_cores == pytest.approx(2 - 1.01 - 0.3)
+    assert strategy.scale_out_advice(machine) == (
+        "parallelism=ddp parallelism.nprocs=2 threads=1",
+        "2 workers × 1 thread on the 2 cores: 0.7 of them idle while timed",
+    )
+    diagnosis.noise.append(replace(quiet, job_cores=1.9))  # an epoch that kept both busy
+    assert strategy.scale_out_advice(diagnosis.machine()) is None
+
+
+LAUNCHERS = {
+    "torchrun": {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"},
+    "horovodrun": {
+        "HOROVOD_RANK": "0",
+        "HOROVOD_SIZE": "4",
+        "HOROVOD_LOCAL_RANK": "0",
+        "HOROVOD_LOCAL_SIZE": "2",
+    },
+    "srun": {
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "SLURM_NODEID": "1",
+    },
+    "mpirun": {
+        "OMPI_COMM_WORLD_RANK": "0",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("launcher", "on_gpus", "on_cpus"),
+    [  # a world of 2 hosts x 2 processes; each host has 4 GPUs, or 8 cores with 6 idle
+        ("torchrun", "--nnodes=2 --nproc-per-node=4", "--nnodes=2 --nproc-per-node=8"),
+        ("horovodrun", "-np 8 -H host1:4,host2:4", "-np 16 -H host1:8,host2:8"),
+        ("srun", "--ntasks=8 --ntasks-per-node=4", "--ntasks=16 --ntasks-per-node=8"),
+        ("mpirun", "-np 8 --map-by ppr:4:node", "-np 16 --map-by ppr:8:node"),
+    ],
+    ids=list(LAUNCHERS),
+)
+def test_in_a_launchers_world_more_workers_are_its_own_flags(
+    compose_cfg, monkeypatch, launcher, on_gpus, on_cpus
+):
+    """Not `parallelism.nprocs`, which a joined world ignores: a command, shown as it is, never
+    validated as an override nor the `diagnosis_next`."""
+    monkeypatch.delenv(JOB_ENV, raising=False)
+    for name, value in LAUNCHERS[launcher].items():
+        monkeypatch.setenv(name, value)
+    cfg = compose_cfg("parallelism=ddp")
+    strategy = build_strategy(cfg)
+    strategy.world = world = strategy.sync.join()  # reads the launcher's environment
+    assert (world.world_size, world.per_host, world.hosts) == (4, 2, 2)
+    strategy.shape = WorldShape(world.world_size)
+    advice = strategy.scale_out_advice(FOUR_GPUS)
+    assert advice[0] == f"$ {launcher} {on_gpus} …" and is_command(advice)
+    idle = Machine("cpu", 8, threads=1, job_cores=2.0, others_cores=0.0, worker_cores=1.0)
+    assert strategy.scale_out_advice(idle)[0] == f"$ {launcher} {on_cpus} … threads=1"
+
+    compute = facts("cuda", forward=1, backward=2)
+    compute.config, compute.scale_out = cfg, advice
+    verdict = diagnose(compute)
+    assert verdict.advice[-1] == advice  # kept: not an override to validate
+    assert usable([advice], cfg) == [advice]
+    assert verdict.tags()["diagnosis_next"] == "precision=bf16"
+    assert f"- `{advice[0]}` — 4 workers on the 4 GPUs visible here (2 used)" in (
+        verdict.markdown("run")
+    )
+    # accelexp's own launcher made the world: parallelism.nprocs sizes it
+    monkeypatch.setenv(JOB_ENV, "a-job")
+    strategy.world = strategy.sync.join()
+    assert strategy.scale_out_advice(FOUR_GPUS)[0] == "parallelism.nprocs=4"
 
 
 def test_a_command_is_never_the_next_override(compose_cfg):

@@ -6,7 +6,8 @@ shows, on each rank: the CPU time of this process (and its children) against wal
 threads; the host's busy and stolen time from `/proc/stat`, over the CPUs this process may run on;
 the CPU time of the job's own processes (`job_cores`: this tree, and every local process whose
 environment carries the job's token, `accelexp.processes.JOB_ENV`), so that what the host was busy
-with beyond the job is the `others_cores`; the 1-minute load; the spread of the step times; on
+with beyond the job is the `others_cores` (what neither kept busy was idle: `busiest`, for the
+scale-out advice of `accelexp.machine`); the 1-minute load; the spread of the step times; on
 CUDA, through NVML (`nvidia-ml-py`, optional), the processes on the GPU that are not the job's, its
 throttle reasons, temperature and SM clock. Ranks are combined by an elementwise MAX of
 `NoiseSample.to_tensor` (arranged so that the max is the worst case of each field).
@@ -192,6 +193,18 @@ class ContentionProbe:
             hz = os.sysconf("SC_CLK_TCK")
             return busy / hz, stolen / hz, total / hz
         return None
+
+
+def busiest(samples: Iterable[NoiseSample]) -> NoiseSample | None:
+    """The sample that left the fewest cores idle (the job's and others' busy cores, and the
+    stolen ones, the most); None when none measured both."""
+    measured = [s for s in samples if s.job_cores is not None and s.others_cores is not None]
+    return max(measured, key=lambda s: s.job_cores + s.others_cores + stolen_cores(s), default=None)
+
+
+def stolen_cores(sample: NoiseSample) -> float:
+    """The cores' time the hypervisor gave to other machines."""
+    return (sample.steal or 0.0) * sample.host_cores
 
 
 def _cpu_seconds(process: psutil.Process | int) -> float:

@@ -6,7 +6,9 @@ draws the verdict (`verdict.diagnose`) from the last epoch, prints it, and recor
 tags `diagnosis`, `diagnosis_detail`, `diagnosis_next`, the artifact `diagnosis.md`, and the
 metrics `flop_utilisation` and `peak_gflops`. Each epoch's contention figures (`noise/*`) are
 judged at the end too (`accelexp.diagnosis.noise`): tags `noise` (quiet | contended) and
-`noise_evidence`, a section of `diagnosis.md`, and the run's last console line.
+`noise_evidence`, a section of `diagnosis.md`, and the run's last console line. The same figures
+say what of this host the run left idle (`machine`), which the strategy's "more devices" advice
+is drawn from (`accelexp.machine`).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from accelexp import record
 from accelexp.config.identity import setting_id
+from accelexp.config.resources import usable_cores
 from accelexp.diagnosis import flops
-from accelexp.diagnosis.noise import NoiseSample, NoiseVerdict, judge
+from accelexp.diagnosis.noise import NoiseSample, NoiseVerdict, busiest, judge, stolen_cores
 from accelexp.diagnosis.verdict import RunFacts, Verdict, diagnose, memory_advice, usable
 from accelexp.errors import AccelexpError
+from accelexp.machine import Machine, visible_gpus
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
 from accelexp.timing import Breakdown
@@ -85,12 +89,31 @@ class RunDiagnosis:
     def noise_verdict(self) -> NoiseVerdict:
         return judge(self.noise, self.strategy.device.type, torch.get_num_threads())
 
+    def machine(self) -> Machine:
+        """This host as the run found it: the epoch that left the fewest cores idle, the GPUs
+        it sees (for "more devices": `accelexp.machine`)."""
+        device, threads = self.strategy.device.type, torch.get_num_threads()
+        sample = busiest(self.noise)
+        if sample is None:
+            return Machine(device, usable_cores(), threads, visible_gpus(device))
+        util = sample.cpu_util
+        return Machine(
+            device,
+            sample.host_cores,
+            threads,
+            visible_gpus(device),
+            job_cores=sample.job_cores,
+            others_cores=sample.others_cores,
+            worker_cores=None if util is None else util * threads,
+            stolen_cores=stolen_cores(sample),
+        )
+
     def finish(self, tracker: Tracker, run_name: str) -> Verdict | None:
         """On the main rank: the verdict, printed and recorded. None before any epoch."""
         if not self.strategy.shape.is_main or self.last is None:
             return None
         device = self.strategy.device
-        noise = self.noise_verdict()
+        noise, machine = self.noise_verdict(), self.machine()
         utilisation = peak = None
         if self.flops_per_sample:
             peak = flops.peak_flops(device, self.precision.autocast)
@@ -108,7 +131,8 @@ class RunDiagnosis:
                 config=self.cfg,
                 in_effect=self.in_effect,
                 convolutional=self.convolutional,
-                scale_out=self.strategy.scale_out_advice(),
+                scale_out=self.strategy.scale_out_advice(machine),
+                machine=machine,
                 contention=noise.evidence if noise.contended else [],
                 rejected=self.rejected_by_autotune(tracker),
             )

@@ -19,12 +19,20 @@
 
 The advice is the run's own: with the run's config (`RunFacts.config`), an override already in
 effect (`precision=bf16` to a bf16 run) or one the config's validation refuses (CUDA graphs,
-`speed.compile=reduce-overhead`, to an `fsdp` run) is left out, "more devices" is the strategy's
-own (`Strategy.scale_out_advice`: twice its workers, say), the strategies' ways to need less
+`speed.compile=reduce-overhead`, to an `fsdp` run) is left out, the strategies' ways to need less
 memory per device are theirs (`accelexp.parallel.rules.MEMORY_ADVICE`), and
-`speed.channels_last` is offered only to a model with convolutions. A launcher's command
-(`$ torchrun …`, `accelexp.advice`) is not an override: it is kept as it is, never validated as
-one, the `diagnosis_next` tag nor in the `diagnosis_advice` tag that autotune tries.
+`speed.channels_last` is offered only to a model with convolutions.
+
+"More devices" (compute-bound runs) is the strategy's own (`Strategy.scale_out_advice`) and
+knows the machine (`accelexp.machine`): on a CPU it is offered only where the run measurably
+left idle cores while timed, as workers × threads that sum to the usable cores
+(`parallelism=ddp parallelism.nprocs=2 threads=1` to a one-thread run on 2 cores); on a GPU only
+where this process sees more GPUs than the run's workers on this host use; otherwise not at all,
+and the evidence says all cores were busy. In a world the user's launcher made (torchrun,
+horovodrun, srun, mpirun), it is that launcher's flags (`$ torchrun --nnodes=2
+--nproc-per-node=4 …`): a command, not an override (`accelexp.advice`), so it is kept as it is,
+never validated as one, never the `diagnosis_next` tag nor in the `diagnosis_advice` tag that
+autotune tries.
 
 An override autotune measured on this setting on this host and rejected (`RunFacts.rejected`,
 looked up in the store) is not offered again; the evidence says so.
@@ -51,7 +59,8 @@ from accelexp import record
 from accelexp.advice import Advice, is_command, overrides
 from accelexp.config import ConfigError, validate
 from accelexp.config.catalog import flatten
-from accelexp.parallel.rules import MEMORY_ADVICE, ONE_DEVICE_SCALE_OUT
+from accelexp.machine import Machine
+from accelexp.parallel.rules import MEMORY_ADVICE
 from accelexp.timing import Breakdown
 
 INPUT_SHARE = 0.25
@@ -79,8 +88,10 @@ class RunFacts:
     config: DictConfig | None = None
     in_effect: Mapping[str, str] = field(default_factory=dict)
     convolutional: bool = True  # the model has 2-D convolutions (channels_last helps it)
-    # the strategy's override for more devices, with why (Strategy.scale_out_advice)
-    scale_out: tuple[str, str] = ONE_DEVICE_SCALE_OUT
+    # the strategy's advice for more devices, with why (Strategy.scale_out_advice, drawn from
+    # `machine`); None: this host had no idle devices, or the run was not measured
+    scale_out: Advice | None = None
+    machine: Machine | None = None  # the host's idle cores or visible GPUs, for the evidence
     # the evidence that other work shared the machine while it was timed (NoiseVerdict), if any
     contention: list[str] = field(default_factory=list)
     # overrides autotune measured on this setting on this host and rejected, with why
@@ -168,6 +179,9 @@ def evidence_lines(facts: RunFacts) -> list[str]:
     if facts.peak_mem_mb is not None:
         of_total = f" of {facts.device_mem_mb:.0f} MB" if facts.device_mem_mb else ""
         lines.append(f"peak memory {facts.peak_mem_mb:.0f} MB{of_total}")
+    machine = facts.machine and facts.machine.evidence()
+    if machine:
+        lines.append(machine)
     return lines
 
 
@@ -322,7 +336,8 @@ def _diagnose(facts: RunFacts) -> Verdict:
         advice.append(("speed.channels_last=true", "the layout tensor cores want for convolutions"))
     if cuda:
         advice.append(("speed.tf32=true", "TF32 tensor cores for what stays fp32"))
-    advice.append(facts.scale_out)
+    if facts.scale_out is not None:
+        advice.append(facts.scale_out)
     return Verdict("compute", detail, evidence, advice)
 
 

@@ -29,8 +29,9 @@ from omegaconf import DictConfig
 from torch.utils.data import DistributedSampler, Sampler
 
 from accelexp import record
+from accelexp.advice import Advice, command
 from accelexp.errors import AccelexpError
-from accelexp.parallel.rules import ONE_DEVICE_SCALE_OUT
+from accelexp.machine import Machine
 from accelexp.parallel.world import World, WorldShape
 from accelexp.precision import Precision
 from accelexp.timing import CommTime
@@ -94,6 +95,9 @@ class Placement:
     """Where one replica's layers live; this base: all of them on one device."""
 
     name = "one device"
+    # the preset whose synced replicas of this placement put more devices to work (the
+    # scale-out advice to a run of one process)
+    replicated_as = "ddp"
 
     def __init__(self, cfg: DictConfig, device_request: str = "auto") -> None:
         self.cfg = cfg
@@ -133,10 +137,6 @@ class Placement:
 
     def describe(self) -> dict[str, int | str]:
         return {}
-
-    def scale_out_advice(self) -> tuple[str, str]:
-        """The override that puts more devices to work on this placement, with why."""
-        return ONE_DEVICE_SCALE_OUT
 
     def reset_memory_stats(self) -> None:
         for device in set(self.devices):
@@ -278,6 +278,7 @@ class Strategy:
         self.placement = placement or Placement(cfg, device)
         self.sync = sync or Sync(cfg)
         self.name = cfg.get("name", self.name)
+        self.world = World()  # the world `setup` joined
         self.shape = WorldShape()
         self.device = torch.device("cpu")  # where inputs go: the (first stage's) device
         self.optimizer: torch.optim.Optimizer | None = None
@@ -286,7 +287,7 @@ class Strategy:
     # --- lifecycle ---------------------------------------------------------------------------
     def setup(self) -> None:
         """Join the world, choose the devices, build the world's shape, open communication."""
-        world = self.sync.join()
+        self.world = world = self.sync.join()
         devices = self.placement.choose_devices(world.local_rank)
         self.shape = WorldShape.build(world, devices, shards=self.sync.shards)
         self.device = devices[0]
@@ -412,10 +413,17 @@ class Strategy:
         return ShardSampler(num_samples, self.shape.replicas, self.shape.rank)
 
     # --- advice (a verdict's; what cuts communication: `sync.comm_advice`) -------------------
-    def scale_out_advice(self) -> tuple[str, str]:
-        """The override that puts more devices to work, with why (for a verdict): twice the
-        workers where replicas keep in sync, else what the placement suggests."""
-        if self.sync.name != "none":
-            workers = 2 * self.cfg.nprocs
-            return f"parallelism.nprocs={workers}", f"{workers} workers: more devices"
-        return self.placement.scale_out_advice()
+    def scale_out_advice(self, machine: Machine) -> Advice | None:
+        """More workers where `machine` had idle devices (`Machine.room`: idle cores on a CPU,
+        unused visible GPUs), with why (for a verdict); None where it had none. In a world the
+        user's launcher made, that launcher's flags (a command: `accelexp.advice`); else
+        `parallelism.nprocs`, with the preset that syncs replicas of this placement for a run of
+        one process; on a CPU with each worker's `threads`."""
+        room = machine.room(self.world.per_host, self.shape.devices_per_replica)
+        if room is None:
+            return None
+        threads = f" threads={room.threads}" if room.threads else ""
+        if self.world.launcher:
+            return command(f"{self.world.relaunch(room.workers)} …{threads}", room.why)
+        preset = f"parallelism={self.placement.replicated_as} " if self.sync.name == "none" else ""
+        return f"{preset}parallelism.nprocs={room.workers}{threads}", room.why

@@ -70,6 +70,7 @@ class Stages(Placement):
     """Each replica's model is a `Pipeline` of stages over this worker's devices."""
 
     name = "stages"
+    replicated_as = "hybrid"
     pipeline: Pipeline | None = None  # set by place()
 
     @classmethod
@@ -138,9 +139,6 @@ class Stages(Placement):
         for stage in self.pipeline.stages:
             stage.compile(mode=mode)
         return model
-
-    def scale_out_advice(self) -> tuple[str, str]:
-        return "parallelism=hybrid parallelism.nprocs=2", "two replicas of the stages"
 
     def describe(self) -> dict[str, int | str]:
         facts: dict[str, int | str] = {

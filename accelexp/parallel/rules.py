@@ -24,9 +24,6 @@ from omegaconf import DictConfig
 from accelexp.parallel import PLACEMENTS, STRATEGIES, SYNCS
 
 GRANULARITIES = ("block", "model")  # fsdp's units: one per block of the layer sequence | one
-# the override that puts more devices to work on one device (`base.Placement.scale_out_advice`;
-# a verdict's when it knows no strategy)
-ONE_DEVICE_SCALE_OUT = ("parallelism=ddp parallelism.nprocs=2", "more devices")
 # the strategies' ways to need less memory per device (a memory-bound verdict's, after the
 # run's own: precision, accumulation)
 MEMORY_ADVICE = [
