@@ -22,7 +22,7 @@ from accelexp.advice import is_command
 from accelexp.config.resources import usable_cores
 from accelexp.diagnosis.noise import NoiseSample
 from accelexp.diagnosis.run import RunDiagnosis
-from accelexp.diagnosis.verdict import RunFacts, diagnose, usable
+from accelexp.diagnosis.verdict import ROOM_SHARE, RunFacts, diagnose, usable
 from accelexp.engine import eager_warmup_steps
 from accelexp.launch import launch
 from accelexp.machine import IDLE_CORES_MIN, Machine
@@ -212,6 +212,18 @@ def test_the_rules_in_order():
 
 def overrides_of(verdict) -> list[str]:
     return [override for override, _ in verdict.advice]
+
+
+def test_a_compute_bound_gpu_run_is_offered_the_speed_switches_and_a_batch_that_fits():
+    """What autotune tries on a GPU: compile among the switches; a doubled batch only where the
+    step peaked well below the device's memory (`ROOM_SHARE`)."""
+    roomy = facts("cuda", forward=1, backward=2)
+    roomy.peak_mem_mb, roomy.device_mem_mb = 0.1 * 1000, 1000.0
+    advice = overrides_of(diagnose(roomy))
+    assert "speed.compile=default" in advice and "data.batch_size=128" in advice
+    tight = facts("cuda", forward=1, backward=2)
+    tight.peak_mem_mb, tight.device_mem_mb = (ROOM_SHARE + 0.1) * 1000, 1000.0
+    assert "data.batch_size=128" not in overrides_of(diagnose(tight))
 
 
 def scale_out(cfg, machine: Machine, world: World | None = None, devices: int = 1):

@@ -3,18 +3,23 @@ it can prove, by following the runs' own verdicts.
 
 From the user's configuration (the base), in rounds:
 
-0. the base runs once (again, up to `repeats` times, while its verdict says the machine was
-   shared: such a verdict cannot tell what bounds it); its verdict (`accelexp.diagnosis.
-   verdict`, the tag `record.DIAGNOSIS_ADVICE`) names the overrides to try next;
+0. the base runs once; its verdict (`accelexp.diagnosis.verdict`, the tag
+   `record.DIAGNOSIS_ADVICE`) names the overrides to try next (a contended verdict: what a
+   compute-bound run is advised, the rules before it having not fired);
 1. each override that is still untried, changes no frozen key (`autotune.freeze`) and composes
    becomes a **candidate**; the base and the candidates run `repeats` times, round-robin (base, A,
-   B, base, A, B, ...), each round of them under its own `repeat_index`, so that repeat i of a
+   B, then B, A, base, ...: every other round backwards, so that a drift within a round falls
+   on each alike), each round of them under its own `repeat_index`, so that repeat i of a
    candidate pairs with repeat i of the base (`accelexp.report.compare.ratio`: a paired t interval
    of the log ratios, as the report computes every speedup);
 2. a candidate is **kept** when its speedup's 95 % interval lies wholly above 1.0 and its test
    accuracy (the mean over its repeats, after the same number of steps: the accuracy proxy) is
    at most `autotune.accuracy_tolerance` below the base's; else **rejected**, with why (slower, no
-   measurable difference, too few measured runs, failed, less accurate);
+   measurable difference, too few measured runs, failed, less accurate). The pairs are those
+   timed on a quiet machine where `MIN_QUIET_PAIRS` (3) or more were; else (a VM whose
+   hypervisor always steals a share, a busy host) every pair, and the why says so: the pairs
+   were interleaved, so what both runs of a pair shared cancels, and what they did not widens
+   the interval;
 3. the kept candidate with the largest speedup joins the base: the new best, whose own verdict
    (from its candidate runs) is asked again — back to 1 — until no candidate is kept, none is
    left to try, or the budget is spent (`autotune.budget_s`: no trial run starts after it;

@@ -22,6 +22,9 @@ from accelexp.tracking.query import RunRecord
 log = logging.getLogger(__name__)
 
 BASE, CANDIDATE = "base", "candidate"
+# the quiet pairs a ratio is taken over, when there are this many: 2 pairs' t quantile is 12.7,
+# whose interval nearly always holds 1.0; fewer, and every pair is (the module doc)
+MIN_QUIET_PAIRS = 3
 
 # runs a batch of jobs (each a list of override strings) in order, returns each job's run (None:
 # the job left no run)
@@ -138,20 +141,21 @@ def decide(step: Step, tolerance: float) -> None:
     measured = {r.run_id: measure_estimate(r) for r in finished + base_finished}
     mine = Group(step.candidate.override, finished, measured)
     theirs = Group(BASE, base_finished, measured)
-    if not mine.usable or not theirs.usable:
-        side = "the candidate's" if not mine.usable else "the base's"
-        why = next(
-            (m[1] for m in measured.values() if m[1]),
-            f"each of {side} runs was timed while other work shared the machine (contended)",
+    shared = ""
+    if len(mine.by_repeat().keys() & theirs.by_repeat().keys()) >= MIN_QUIET_PAIRS:
+        step.speedup = ratio(mine, theirs)  # the quiet pairs, as the report pairs them
+    else:  # on a machine always shared (a VM's steal), pairs of contended runs too
+        mine_all, theirs_all = _by_repeat(finished, measured), _by_repeat(base_finished, measured)
+        common = sorted(mine_all.keys() & theirs_all.keys())
+        if len(common) < 2:
+            why = next((m[1] for m in measured.values() if m[1]), "fewer than 2 pairs ran")
+            step.why = f"not measured: {why}"
+            return
+        step.speedup = stats.ratio(
+            [mine_all[i] for i in common], [theirs_all[i] for i in common], paired=True
         )
-        step.why = f"not measured: {why}"
-        return
-    step.speedup = ratio(mine, theirs)
-    said = stats.format_estimate(step.speedup, suffix="×")
-    pairs = f"{step.speedup.n} pair(s)" if step.speedup.method.startswith("paired") else ""
-    if not step.speedup.has_interval:
-        step.why = f"{said} without an interval: too few measured runs ({pairs or 'unpaired'})"
-        return
+        shared = " (runs timed while the machine was shared: what a pair shared cancels)"
+    said = stats.format_estimate(step.speedup, suffix="×") + shared
     verdict = stats.verdict(step.speedup)
     if verdict != "faster":
         step.why = f"{verdict}: {said}"
@@ -162,6 +166,15 @@ def decide(step: Step, tolerance: float) -> None:
         return
     step.kept = True
     step.why = f"faster: {said}, {accuracy}"
+
+
+def _by_repeat(runs: Sequence[RunRecord], measured: Mapping) -> dict[str, Estimate]:
+    """Each measured run's throughput by its repeat index, contended or not."""
+    return {
+        r.tags.get(record.REPEAT_INDEX, r.run_id): measured[r.run_id][0]
+        for r in runs
+        if measured[r.run_id][0] is not None
+    }
 
 
 def _mean_acc(runs: Sequence[RunRecord]) -> float | None:
@@ -223,7 +236,9 @@ class Autotune:
         self.tried: set[str] = set()  # candidates rejected on some base, or taken
 
     def run(self) -> AutotunePath:
-        best_runs = self._first_verdict()
+        best_runs = self._measure([self.path.best], [None], rounds=1, round_no=0)[0]
+        if not best_runs:
+            self.path.stopped = "the base's run failed: fix it first (its run says why)"
         round_no = 1
         while not self.path.stopped:
             self._round(round_no, best_runs)
@@ -251,20 +266,6 @@ class Autotune:
         self.on_round(self.path)
         return self.path
 
-    def _first_verdict(self) -> list[RunRecord]:
-        """Round 0: the base, run until its verdict was drawn on a quiet machine (a contended
-        one cannot tell what bounds it), `repeats` times at most; its runs."""
-        runs: list[RunRecord] = []
-        for _ in range(self.repeats):
-            ran = self._measure([self.path.best], [None], rounds=1, round_no=0)[0]
-            if not ran:
-                self.path.stopped = "the base's run failed: fix it first (its run says why)"
-                break
-            runs += ran
-            if any(r.tags.get(record.DIAGNOSIS) != record.NOISE_CONTENDED for r in ran):
-                break
-        return runs
-
     def candidates(self, best_runs: Sequence[RunRecord]) -> list[Candidate]:
         """The verdict's untried overrides of the best that compose; the others said why."""
         found = []
@@ -285,16 +286,8 @@ class Autotune:
         """Measure the best and its candidates, interleaved, and decide on each candidate."""
         candidates = self.candidates(best_runs)
         if not candidates:
-            bounds = {r.tags.get(record.DIAGNOSIS) for r in best_runs}
-            if all(r.tags.get(record.NOISE) == record.NOISE_CONTENDED for r in best_runs):
-                self.path.stopped = (
-                    f"each of the best's {len(best_runs)} run(s) was timed while other work "
-                    f"shared the machine: what bounds it cannot be told (run autotune on a "
-                    f"quiet machine)"
-                )
-            else:
-                said = ", ".join(f"{b}-bound" for b in sorted(b or "unknown" for b in bounds))
-                self.path.stopped = f"the best's verdict ({said}) offers nothing left to try"
+            bounds = ", ".join(sorted({f"{r.tags.get(record.DIAGNOSIS)}-bound" for r in best_runs}))
+            self.path.stopped = f"the best's verdict ({bounds}) offers nothing left to try"
             return
         room = (self.settings.max_trials - self.path.trials) // self.repeats - 1
         if room < 1:
@@ -351,8 +344,11 @@ class Autotune:
                 self.path.stopped = f"autotune.budget_s={self.settings.budget_s:g} spent"
                 break
             index, self.next_index = self.next_index, self.next_index + 1
-            batch = [[*job, f"repeat_index={index}"] for job in jobs]
-            for position, run in enumerate(self.run_jobs(batch)):
+            # every other round backwards (A B, B A, A B...): a drift within a round falls on
+            # each side alike, not always on the one that runs second
+            order = list(range(len(jobs)))[:: -1 if index % 2 else 1]
+            batch = [[*jobs[position], f"repeat_index={index}"] for position in order]
+            for position, run in zip(order, self.run_jobs(batch), strict=True):
                 self.path.trials += 1
                 if run is None:
                     continue

@@ -104,7 +104,8 @@ def path_figure(path: AutotunePath) -> Any | None:
                 step.candidate.override, point, fontsize="x-small", color="0.4",
                 xytext=(4, 2), textcoords="offset points",
             )  # fmt: skip
-    axes.plot([], [], "x", color="0.5", label="not kept: measured over its round's base")
+    if any(not step.chosen and step.speedup is not None for step in path.steps):
+        axes.plot([], [], "x", color="0.5", label="not kept: measured over its round's base")
     axes.axhline(1.0, color="black", linestyle=":", linewidth=1.2)
     axes.set_xticks(x, [name for name, _ in gains], rotation=15, ha="right", fontsize="small")
     axes.set_ylabel("samples/s over the start")

@@ -14,8 +14,12 @@
    matmul peak.
 5. **contended** — none of the above, and other work shared the machine while the run was timed
    (`accelexp.diagnosis.noise`): its speed is the neighbours' as much as its own, so what
-   bounds it cannot be told; never called compute-bound.
-6. **compute** — none of the above: the device's arithmetic is the limit.
+   bounds it cannot be told; never called compute-bound. Its advice: repeats, then what a
+   compute-bound run is advised, each "if the machine's arithmetic, not the neighbours, bounds
+   it" (rules 1-4 did not fire: arithmetic is what is left).
+6. **compute** — none of the above: the device's arithmetic is the limit. On a GPU the advice is
+   the speed switches (bf16/amp, channels_last, TF32, `speed.compile`) and, where the step peaked
+   below `ROOM_SHARE` of the device's memory, a doubled batch.
 
 The advice is the run's own: with the run's config (`RunFacts.config`), an override already in
 effect (`precision=bf16` to a bf16 run) or one the config's validation refuses (CUDA graphs,
@@ -66,6 +70,7 @@ from accelexp.timing import Breakdown
 INPUT_SHARE = 0.25
 COMM_SHARE = 0.25
 MEMORY_SHARE = 0.90
+ROOM_SHARE = 0.40  # a compute-bound GPU run below this share of the memory may double its batch
 GPU_BUSY = 0.60
 FLOP_SHARE = 0.05
 
@@ -314,6 +319,7 @@ def _diagnose(facts: RunFacts) -> Verdict:
             ],
         )
     if facts.contended:
+        unless = "if the machine's arithmetic, not the neighbours, bounds it: "
         return Verdict(
             "contended",
             "other work shared the machine while it was timed, so what bounds the run itself "
@@ -324,11 +330,19 @@ def _diagnose(facts: RunFacts) -> Verdict:
                     "repeats=3",
                     "with -m: repeats run round-robin, the report sets contended ones aside",
                 ),
+                *((override, unless + why) for override, why in _compute_advice(facts)),
             ],
         )
     detail = "the device's arithmetic is the limit"
     if facts.flop_utilisation is not None:
         detail += f" (model FLOPs at {100 * facts.flop_utilisation:.0f}% of the measured peak)"
+    return Verdict("compute", detail, evidence, _compute_advice(facts))
+
+
+def _compute_advice(facts: RunFacts) -> list[Advice]:
+    """What speeds up arithmetic-bound steps: half precision and, on a GPU, the tensor cores'
+    switches, compile, a bigger batch where memory has room; then more devices."""
+    cuda = facts.device_type == "cuda"
     advice = [("precision=bf16", "half-width arithmetic (tensor cores on a GPU)")]
     if cuda:  # on a CPU, precision=amp is bf16 autocast
         advice.append(("precision=amp", "fp16 with loss scaling"))
@@ -336,9 +350,18 @@ def _diagnose(facts: RunFacts) -> Verdict:
         advice.append(("speed.channels_last=true", "the layout tensor cores want for convolutions"))
     if cuda:
         advice.append(("speed.tf32=true", "TF32 tensor cores for what stays fp32"))
+        advice.append(("speed.compile=default", "fused kernels: fewer round trips to memory"))
+    used = facts.peak_mem_mb / facts.device_mem_mb if cuda and facts.device_mem_mb else None
+    if used is not None and used < ROOM_SHARE:  # the batch can grow
+        advice.append(
+            (
+                f"data.batch_size={2 * facts.batch_size}",
+                f"the GPU has room (peak {_pct(used)} of its memory): more work per step",
+            )
+        )
     if facts.scale_out is not None:
         advice.append(facts.scale_out)
-    return Verdict("compute", detail, evidence, advice)
+    return advice
 
 
 def memory_advice(batch_size: int) -> list[Advice]:
