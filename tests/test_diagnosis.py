@@ -251,7 +251,12 @@ def test_the_advice_is_the_runs_own(compose_cfg):
     compute.scale_out = scale_out(compute.config, FOUR_GPUS, ACCELEXPS_TWO)
     compute.in_effect = {"speed.channels_last": "true"}  # what `auto` chose
     advice = overrides_of(diagnose(compute))
-    assert advice == ["precision=amp", "speed.tf32=true", "parallelism.nprocs=4"]
+    assert advice == [
+        "precision=amp",
+        "speed.tf32=true",
+        "speed.compile=default",
+        "parallelism.nprocs=4",
+    ]
     compute.in_effect, compute.convolutional = {}, False  # a ViT: no NHWC layout to offer
     assert "speed.channels_last=true" not in overrides_of(diagnose(compute))
     compute.config = compose_cfg("parallelism=model")

@@ -6,8 +6,8 @@ From the user's configuration (the base), in rounds:
 0. the base runs once; its verdict (`accelexp.diagnosis.verdict`, the tag
    `record.DIAGNOSIS_ADVICE`) names the overrides to try next (a contended verdict: what a
    compute-bound run is advised, the rules before it having not fired);
-1. each override that is still untried, changes no frozen key (`autotune.freeze`) and composes
-   becomes a **candidate**; the base and the candidates run `repeats` times, round-robin (base, A,
+1. each override not yet rejected on this base that changes no frozen key (`autotune.freeze`)
+   and composes becomes a **candidate**; the base and the candidates run `repeats` times, round-robin (base, A,
    B, then B, A, base, ...: every other round backwards, so that a drift within a round falls
    on each alike), each round of them under its own `repeat_index`, so that repeat i of a
    candidate pairs with repeat i of the base (`accelexp.report.compare.ratio`: a paired t interval
@@ -23,8 +23,9 @@ From the user's configuration (the base), in rounds:
 3. the kept candidate with the largest speedup joins the base: the new best, whose own verdict
    (from its candidate runs) is asked again — back to 1 — until no candidate is kept, none is
    left to try, or the budget is spent (`autotune.budget_s`: no trial run starts after it;
-   `autotune.max_trials`: runs in all). A kept candidate that was not chosen is tried again on
-   the new best, where its verdict still offers it; a rejected one is not.
+   `autotune.max_trials`: runs in all). Any candidate, kept or rejected, is tried again on the
+   new best where that one's verdict offers it: on another base it is another question (bf16
+   on one process, bf16 on two DDP workers); on the same base never twice.
 
 Every trial is an ordinary run, a child of the sweep's parent; the loop tags each (`record.
 AUTOTUNE_*`): its round, its role (base | candidate), the candidate, and on a candidate's runs the

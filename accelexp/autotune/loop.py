@@ -233,7 +233,8 @@ class Autotune:
         self.path = AutotunePath(list(start), list(start))
         self.began = clock()
         self.next_index = 0  # the repeat_index of the next round of jobs
-        self.tried: set[str] = set()  # candidates rejected on some base, or taken
+        # (the best's overrides, a candidate) already decided on, or left out
+        self.tried: set[tuple[tuple[str, ...], str]] = set()
 
     def run(self) -> AutotunePath:
         best_runs = self._measure([self.path.best], [None], rounds=1, round_no=0)[0]
@@ -248,7 +249,6 @@ class Autotune:
                 chosen = max(kept, key=lambda s: s.speedup.value)
                 chosen.chosen = True
                 self.path.best = merged(self.path.best, chosen.candidate.override)
-                self.tried.add(chosen.candidate.override)
                 best_runs = chosen.runs
                 log.info(
                     "Autotune round %d keeps %s (%s); the best is now: %s",
@@ -270,14 +270,14 @@ class Autotune:
         """The verdict's untried overrides of the best that compose; the others said why."""
         found = []
         for candidate in advice_of(best_runs):
-            if candidate.override in self.tried:
+            if (tuple(self.path.best), candidate.override) in self.tried:
                 continue
             why = why_not(candidate, self.settings.freeze) or self.composes(
                 merged(self.path.best, candidate.override)
             )
             if why:
                 log.info("Autotune leaves %s out: %s", candidate.override, why)
-                self.tried.add(candidate.override)
+                self.tried.add((tuple(self.path.best), candidate.override))
                 continue
             found.append(candidate)
         return found
@@ -311,7 +311,7 @@ class Autotune:
             decide(step, self.settings.accuracy_tolerance)
             self.path.steps.append(step)
             if not step.kept:
-                self.tried.add(candidate.override)
+                self.tried.add((tuple(step.base), candidate.override))
             log.info(
                 "  %s: %s — %s",
                 candidate.override,
