@@ -7,11 +7,11 @@ From the user's configuration (the base), in rounds:
    `record.DIAGNOSIS_ADVICE`) names the overrides to try next (a contended verdict: what a
    compute-bound run is advised, the rules before it having not fired);
 1. each override not yet rejected on this base that changes no frozen key (`autotune.freeze`)
-   and composes becomes a **candidate**; the base and the candidates run `repeats` times, round-robin (base, A,
-   B, then B, A, base, ...: every other round backwards, so that a drift within a round falls
-   on each alike), each round of them under its own `repeat_index`, so that repeat i of a
-   candidate pairs with repeat i of the base (`accelexp.report.compare.ratio`: a paired t interval
-   of the log ratios, as the report computes every speedup);
+   and composes becomes a **candidate**; the base and the candidates run `repeats` times,
+   round-robin (base, A, B, then B, A, base, ...: every other round backwards, so that a drift
+   within a round falls on each alike), each round of them under its own `repeat_index`, so that
+   repeat i of a candidate pairs with repeat i of the base (`accelexp.report.compare.ratio`: a
+   paired t interval of the log ratios, as the report computes every speedup);
 2. a candidate is **kept** when its speedup's 95 % interval lies wholly above 1.0 and its test
    accuracy (the mean over its repeats, after the same number of steps: the accuracy proxy) is
    at most `autotune.accuracy_tolerance` below the base's; else **rejected**, with why (slower, no

@@ -108,7 +108,10 @@ class AutotuneSweeper(Sweeper):
 
         assert self.config is not None and self.hydra_context is not None
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
-        swept = [o.input_line for o in parser.parse_overrides(arguments) if o.is_sweep_override()]
+        parsed = parser.parse_overrides(arguments)
+        if any(o.get_key_element().lstrip("+~") == "repeat_index" for o in parsed):
+            raise ConfigError("repeat_index is set by autotune for each round: leave it out.")
+        swept = [o.input_line for o in parsed if o.is_sweep_override()]
         if swept:
             raise ConfigError(
                 f"autotune starts from one configuration, and {' '.join(swept)} sweeps: give "
