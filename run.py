@@ -30,7 +30,12 @@ register_help()  # the groups, options and keys `--help` lists
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | list[float] | None:
-    from accelexp.config.validate import check_one_job_of_a_study, check_repeats_of_one_job
+    from accelexp import forecast
+    from accelexp.config.validate import (
+        check_one_job_of_a_study,
+        check_repeats_of_one_job,
+        validate,
+    )
     from accelexp.launch import launch  # torch loads after Hydra has parsed the command line
     from accelexp.objective import sweeper_value
     from accelexp.parallel import run_label
@@ -59,6 +64,10 @@ def main(cfg: DictConfig) -> float | list[float] | None:
         if not in_sweep:
             check_one_job_of_a_study(hydra_cfg.sweeper.get("params") or {}, overrides)
             check_repeats_of_one_job(overrides)
+        if cfg.estimate:  # the memory forecast, instead of training
+            validate(cfg)
+            print(forecast.report(cfg))
+            return None
         return sweeper_value(cfg.objective, launch(cfg, output_dir, overrides))
     except KeyboardInterrupt as error:
         stop = signals.interruption(error)

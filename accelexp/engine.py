@@ -304,7 +304,7 @@ class Trainer:
         last_line = time.perf_counter()
         for batch, (images, labels) in enumerate(loader, start=1):
             with self.precision.autocast():
-                logits = self.model(images)
+                logits = self.model(self.precision.cast_inputs(images))
             loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
             correct += (logits.argmax(1) == labels).sum()
             seen += len(labels)

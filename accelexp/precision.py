@@ -1,4 +1,5 @@
-"""Numeric precision of a run: fp32, fp16 AMP with a GradScaler, or bf16 — per device type.
+"""Numeric precision of a run: fp32, fp16 AMP with a GradScaler, bf16 autocast, bf16 weights
+(`bf16_true`) or fp8 matmuls (`fp8`) — per device type.
 
 Like Composer's `Precision`, one small object owns the autocast context and the loss scaling, so
 the training loop says `with precision.autocast(): ...` and `precision.backward(loss)` and never
@@ -6,21 +7,99 @@ asks which precision it runs in. On a CPU, `amp` means bf16 autocast without a s
 no fast fp16 path and bf16 needs no scaling); this is said once in the log.
 
 This module is the one place that maps a `precision` option and a device type to dtypes: what
-the model computes in (`compute_dtype`, `effective_name`; FSDP gathers its parameters in it)
-and what gradients are reduced in (`reduce_dtype`). It is built once, on the device the
+the model computes in (`compute_dtype`, `effective_name`; FSDP gathers its parameters in it),
+what its parameters, gradients and optimizer state are stored in (`param_dtype`; its inputs are
+cast to it: `cast_inputs`), what gradients are reduced in (`reduce_dtype`), and how the model is
+made ready before a strategy wraps it (`prepare_model`). It is built once, on the device the
 strategy chose (`accelexp.parallel.connect`), and the strategy gets the object, never the name.
+
+- `bf16_true` (Lightning's "bf16-true"): the model is converted to bf16 before the strategy
+  wraps it — weights, hence gradients and optimizer state, in bf16, no fp32 master copy — its
+  inputs are cast to bf16, and nothing is autocast or scaled. Half the memory of the model's
+  state, at some cost in accuracy (an update smaller than a weight's bf16 spacing is lost).
+  BatchNorm layers stay fp32, where Lightning converts them too: bf16 BatchNorm runs in torch
+  (on a CPU as on CUDA), but its running statistics move by `momentum` x (batch statistic -
+  running) a step, which rounds to nothing in bf16 once that is under half a bf16 spacing (1/256
+  at 1.0): they stop about five spacings short, 1-3 % off the fp32 statistics that evaluation
+  normalises by (200 steps of N(0.3, 0.5²) on this CPU: mean 0.297, var 0.246 vs 0.300, 0.249).
+  They are 2 x channels numbers a layer; batch_norm takes bf16 inputs with fp32 weights, as it
+  does under autocast.
+- `fp8`: torchao's float8 training (`torchao.float8.convert_to_float8_training`): every
+  `nn.Linear` whose dimensions are multiples of 16 (what fp8 matmuls take) computes in fp8 with
+  dynamic tensorwise scales, the rest under bf16 autocast; weights and optimizer state fp32. It
+  needs fp8 tensor cores, a CUDA GPU of compute capability 8.9 or more (Ada, Hopper, Blackwell):
+  refused elsewhere before any worker starts (`fp8_problem`, asked by
+  `accelexp.config.resources`). torchao is imported only there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from accelexp import record
+from accelexp.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+FP8_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0) and later
+FP8_MULTIPLE = 16  # torchao's fp8 matmuls take dimensions that are multiples of 16
+
+
+def fp8_problem(device_type: str, capabilities: Sequence[tuple[int, int]] = ()) -> str:
+    """Why `precision=fp8` cannot run on a `device_type` whose GPUs have these compute
+    `capabilities`, and what to use instead; "" when it can (CUDA, every GPU at least 8.9)."""
+    if device_type == "cuda" and capabilities and min(capabilities) >= FP8_CAPABILITY:
+        return ""
+    if device_type != "cuda" or not capabilities:
+        here = "this run has no CUDA GPU: it computes on the CPU"
+    else:
+        low = min(capabilities)
+        here = f"this machine's GPU has compute capability {low[0]}.{low[1]}"
+    need = ".".join(map(str, FP8_CAPABILITY))
+    return (
+        f"precision=fp8 runs its matmuls on fp8 tensor cores, which need an NVIDIA GPU of "
+        f"compute capability >= {need} (Ada, Hopper or newer), and {here}. Use precision=bf16 "
+        f"(bf16 autocast) or precision=bf16_true (bf16 weights: half the model's memory)."
+    )
+
+
+def float8_eligible(module: nn.Module, fqn: str = "") -> bool:
+    """torchao's `module_filter_fn`: a linear layer whose in and out features are multiples of
+    16 (fp8 matmuls refuse others); every other layer keeps its bf16 autocast."""
+    return (
+        isinstance(module, nn.Linear)
+        and module.in_features % FP8_MULTIPLE == 0
+        and module.out_features % FP8_MULTIPLE == 0
+    )
+
+
+def _convert(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Every floating parameter and buffer of `model` but BatchNorm's in `dtype`, in place
+    (memory format kept; a parameter shared by two modules stays shared). New parameters rather
+    than `model.to(dtype)`: `Module.to` cannot swap the fake tensors of a memory forecast
+    (`accelexp.forecast`, under FakeTensorMode) for their converted copies."""
+    converted: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        if isinstance(module, _BatchNorm):
+            continue
+        for name, param in module._parameters.items():
+            if param is None or not param.is_floating_point():
+                continue
+            if id(param) not in converted:
+                tensor = param.detach().to(dtype)
+                converted[id(param)] = nn.Parameter(tensor, requires_grad=param.requires_grad)
+            module._parameters[name] = converted[id(param)]
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[name] = buffer.to(dtype)
+    return model
 
 
 class Precision:
@@ -33,14 +112,21 @@ class Precision:
     ) -> None:
         self.name = name
         self.device_type = device.type
-        # what autocast computes in; None: fp32, no autocast
+        # what the model computes in; None: fp32
         self.compute_dtype: torch.dtype | None = {
             "fp32": None,
             "bf16": torch.bfloat16,
             "amp": torch.float16 if device.type == "cuda" else torch.bfloat16,
+            "bf16_true": torch.bfloat16,
+            "fp8": torch.bfloat16,  # what fp8 matmuls leave: the rest, under autocast
         }[name]
+        # what parameters, gradients and optimizer state are stored in (the inputs are cast to
+        # it); BatchNorm's stay fp32 (module docstring)
+        self.param_dtype = torch.bfloat16 if name == "bf16_true" else torch.float32
+        # what autocast computes in: None, no autocast (fp32, and bf16_true: already bf16)
+        self.autocast_dtype = None if name == "bf16_true" else self.compute_dtype
         self.scaler: torch.amp.GradScaler | None = None
-        if self.compute_dtype is torch.float16:
+        if self.autocast_dtype is torch.float16:
             self.scaler = torch.amp.GradScaler(
                 device.type, init_scale=init_scale, growth_interval=growth_interval
             )
@@ -57,18 +143,74 @@ class Precision:
     @property
     def effective_name(self) -> str:
         """The option this run really computes in: `bf16` for `amp` on a CPU, else `name`."""
-        return "bf16" if self.compute_dtype is torch.bfloat16 else self.name
+        return "bf16" if self.autocast_dtype is torch.bfloat16 and self.name == "amp" else self.name
+
+    @property
+    def cast_param_dtype(self) -> torch.dtype | None:
+        """What parameters are cast to for forward and backward (FSDP's `param_dtype`): the
+        compute dtype where they are stored in another; None where they compute as stored."""
+        return None if self.compute_dtype in (None, self.param_dtype) else self.compute_dtype
 
     def reduce_dtype(self, in_fp32: bool) -> torch.dtype:
         """The dtype sharded gradients are reduced in (FSDP's `reduce_dtype`): fp32 when asked
-        or when computing in fp32, else the compute dtype."""
+        or when computing in fp32, else the compute dtype (bf16_true: its gradients' own)."""
         return torch.float32 if in_fp32 or self.compute_dtype is None else self.compute_dtype
 
+    def describe(self) -> dict[str, str]:
+        """What the run logs of its dtypes (params): `param_dtype`, e.g. bfloat16."""
+        return {record.PARAM_DTYPE: str(self.param_dtype).removeprefix("torch.")}
+
+    # --- the model and its inputs -----------------------------------------------------------
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """The model as this precision trains it, before a strategy places and wraps it:
+        bf16_true's in bf16 (BatchNorm in fp32), fp8's linear layers converted to torchao's
+        Float8Linear; as it is otherwise."""
+        if self.name == "bf16_true":
+            return _convert(model, self.param_dtype)
+        if self.name == "fp8":
+            return self._to_float8(model)
+        return model
+
+    def cast_inputs(self, images: torch.Tensor) -> torch.Tensor:
+        """A batch as the model takes it: in `param_dtype` (bf16_true's bf16), else as it is
+        (autocast casts inside the model)."""
+        if self.param_dtype is torch.float32 or not images.is_floating_point():
+            return images
+        return images.to(self.param_dtype)
+
+    def _to_float8(self, model: nn.Module) -> nn.Module:
+        capabilities = []
+        if self.device_type == "cuda":
+            capabilities = [
+                torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())
+            ]
+        problem = fp8_problem(self.device_type, capabilities)
+        if problem:  # refused before any worker starts; a process given such a world ends here
+            raise ConfigError(problem)
+        try:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        except ImportError as error:
+            raise ConfigError(
+                f"precision=fp8 needs torchao, which is not importable here ({error}): "
+                f"`pip install 'torchao>=0.14'`, or use precision=bf16."
+            ) from error
+        eligible = [name for name, m in model.named_modules() if float8_eligible(m)]
+        convert_to_float8_training(
+            model, config=Float8LinearConfig(), module_filter_fn=float8_eligible
+        )
+        linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+        log.info(
+            "precision=fp8: %d of %d linear layers compute in fp8 (%s); the rest in bf16",
+            len(eligible), linear, ", ".join(eligible) or "none",
+        )  # fmt: skip
+        return model
+
+    # --- the step -----------------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context the forward pass and the loss run in."""
-        if self.compute_dtype is None:
+        if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.compute_dtype)
+        return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler else loss).backward()

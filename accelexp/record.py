@@ -93,8 +93,12 @@ HTA_LAUNCH_DELAY_OUTLIERS_PCT = "hta/launch_delay_outliers_pct"
 TORCH_VERSION = "torch_version"
 NUM_PARAMS = "num_params"  # the model's
 TRAIN_SAMPLES = "train_samples"
-# facts that follow from the model and data config (which the report compares): not compared
-DERIVED_PARAMS = frozenset({NUM_PARAMS, TRAIN_SAMPLES})
+# what the weights, gradients and optimizer state are stored in (Precision.describe): bfloat16
+# under precision=bf16_true, else float32
+PARAM_DTYPE = "param_dtype"
+# facts that follow from the model, data and precision config (which the report compares): not
+# compared
+DERIVED_PARAMS = frozenset({NUM_PARAMS, TRAIN_SAMPLES, PARAM_DTYPE})
 DATA_PLACEMENT = "data_placement"  # where batches are made (also a tag)
 # the world's shape (Strategy.describe)
 WORLD_SIZE = "world_size"  # processes (also a tag)
@@ -129,6 +133,9 @@ OVERRIDES = "overrides"  # the command line's, credentials redacted
 PLACEMENT = "placement"  # where a replica's layers live (the strategy's first part)
 SYNC = "sync"  # how replicas agree (its second part)
 SPEED = "speed"  # the speed switches on (SpeedSwitches.summary); each switch also its own tag
+# the switch speed.activation_checkpointing as a word (SpeedSwitches.checkpointing): none | full |
+# every<k> | op; a run from before it existed had none
+ACTIVATION_CHECKPOINTING = "activation_checkpointing"
 DEVICE = "device"  # what one process computes on: `cpu`, `NVIDIA H200 x2`
 CONFIG_HASH = "config_hash"  # the training a config describes (resume=auto looks runs up by it)
 CONFIG_ID = "config_id"  # the same less seed and repeat index: one row of the report per repeats

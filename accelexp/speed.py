@@ -13,6 +13,10 @@
   (`compile_s`) and leaves them out of `samples_per_s`.
 - `optimizer_impl`: the optimizer's kernels — one per parameter (`for_loop`), batched
   (`foreach`, PyTorch's default on CUDA), or one fused kernel (`fused`).
+- `activation_checkpointing` (`none | full | selective`, with `selective_ac_option`): a memory
+  lever that costs speed — blocks run their forward again in the backward instead of keeping
+  their activations (`accelexp.activation_checkpoint`); applied here, before compile and before
+  a strategy shards the model, as torchtitan orders them.
 
 `deterministic=true` wins over `cudnn_benchmark` and `tf32`: both are turned off, said once.
 """
@@ -27,6 +31,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from accelexp import activation_checkpoint
 from accelexp.errors import AccelexpError
 from accelexp.record import SPEED
 
@@ -76,6 +81,8 @@ class SpeedSwitches:
     tf32: bool = False
     compile: str = "off"
     optimizer_impl: str = "auto"
+    activation_checkpointing: str = "none"
+    selective_ac_option: str = "2"
 
     @classmethod
     def resolve(
@@ -95,7 +102,11 @@ class SpeedSwitches:
         if deterministic and (benchmark or tf32):
             log.info("deterministic=true: cuDNN autotuning and TF32 are turned off")
             benchmark = tf32 = False
-        return cls(bool(channels_last), benchmark, tf32, cfg.compile, cfg.optimizer_impl)
+        ac, ac_option = cfg.activation_checkpointing, str(cfg.selective_ac_option)
+        activation_checkpoint.chosen(model, ac, ac_option)  # refuses a model without blocks
+        return cls(
+            bool(channels_last), benchmark, tf32, cfg.compile, cfg.optimizer_impl, ac, ac_option
+        )
 
     # --- what the builder applies --------------------------------------------------------------
     def apply_backends(self) -> None:
@@ -109,8 +120,20 @@ class SpeedSwitches:
         return torch.channels_last if self.channels_last else torch.contiguous_format
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        """The model in its memory format, before a strategy places or wraps it."""
-        return model.to(memory_format=self.memory_format) if self.channels_last else model
+        """The model in its memory format, its blocks checkpointed, before a strategy places,
+        compiles or wraps it."""
+        if self.channels_last:
+            model = model.to(memory_format=self.memory_format)
+        activation_checkpoint.apply(model, self.activation_checkpointing, self.selective_ac_option)
+        return model
+
+    @property
+    def checkpointing(self) -> str:
+        """`activation_checkpointing` in a word: none, full, every2 (every 2nd block), op."""
+        if self.activation_checkpointing != "selective":
+            return self.activation_checkpointing
+        option = self.selective_ac_option
+        return option if option == activation_checkpoint.OP else f"every{option}"
 
     def optimizer_kwargs(self) -> dict[str, bool]:
         """Keyword arguments of torch's SGD/AdamW that choose their kernels."""
@@ -133,6 +156,8 @@ class SpeedSwitches:
             parts.append(f"compile:{self.compile}")
         if self.optimizer_impl != "auto":
             parts.append(self.optimizer_impl)
+        if self.checkpointing != "none":
+            parts.append(f"ac:{self.checkpointing}")
         return "+".join(parts) or "eager"
 
     def tags(self) -> dict[str, str]:
@@ -143,5 +168,6 @@ class SpeedSwitches:
             "tf32": self.tf32,
             "compile": self.compile,
             "optimizer_impl": self.optimizer_impl,
+            "activation_checkpointing": self.checkpointing,
         }
         return {SPEED: self.summary(), **{k: str(v).lower() for k, v in values.items()}}

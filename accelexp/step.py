@@ -1,9 +1,11 @@
 """One training step: the one function the loop, the largest-batch search and the benchmarks share.
 
-Forward and loss under the precision's autocast, backward with its loss scaling inside the
-strategy's backward context (`sync=False` for the micro-batches that only accumulate, the loss
-divided by `accumulate`), and on the step that completes a group of micro-batches the strategy's
-optimizer step, `zero_grad` and the scheduler's step. It knows only the interfaces (`Strategy`,
+Forward (the batch cast as the precision's model takes it: `Precision.cast_inputs`) and loss
+(in fp32, as autocast computes it, whatever the logits' dtype) under the precision's autocast,
+backward with its loss scaling inside the strategy's backward context (`sync=False` for the
+micro-batches that only accumulate, the loss divided by `accumulate`), and on the step that
+completes a group of micro-batches the strategy's optimizer step, `zero_grad` and the
+scheduler's step. It knows only the interfaces (`Strategy`,
 `Precision`), never a concrete strategy.
 
 The loop's step clock is told where the forward, backward and optimizer phases end (`clock`, a
@@ -58,8 +60,8 @@ def train_step(
         clock = Unmarked()
     with strategy.backward_context(model, sync=step_now):
         with precision.autocast():
-            logits = model(images)
-            loss = F.cross_entropy(logits, labels)
+            logits = model(precision.cast_inputs(images))
+            loss = F.cross_entropy(logits.float(), labels)
         clock.mark(FORWARD)
         precision.backward(loss / accumulate if accumulate > 1 else loss)
     clock.mark(BACKWARD)

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
-from accelexp import checkpoint, outcome, record
+from accelexp import activation_checkpoint, checkpoint, outcome, record
 from accelexp.config import ConfigError, validate
 from accelexp.config.catalog import flatten
 from accelexp.config.identity import config_hash, config_id, setting_id
@@ -226,7 +226,13 @@ def _run(
         f"speed.{key}": value for key, value in switches.tags().items() if key != record.SPEED
     }
     diagnosis = RunDiagnosis(
-        strategy, precision, cfg, flops_per_sample, in_effect, has_conv2d(model)
+        strategy,
+        precision,
+        cfg,
+        flops_per_sample,
+        in_effect,
+        has_conv2d(model),
+        activation_checkpoint.checkpointable(strategy.unwrap(model)),
     )
     name = run_name(cfg, switches.summary(), overrides, run_label(cfg.parallelism))
     progress = checkpoint.Progress()
@@ -249,6 +255,7 @@ def _run(
         params = {
             **flatten(resolved, empty=False),  # as MLflow params (str, cut to its limit)
             **strategy.describe(),
+            **precision.describe(),  # param_dtype
             record.TORCH_VERSION: torch.__version__,
             record.NUM_PARAMS: sum(p.numel() for p in model.parameters()),
             record.TRAIN_SAMPLES: len(data.train),

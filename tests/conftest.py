@@ -34,7 +34,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 from mlflow.entities import Run
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from accelexp.config import register_configs
 
@@ -49,6 +49,7 @@ TINY_DATA = (
     "data.image_size=16",
 )
 TINY_RUN = ("progress=false", "epochs=1", "max_steps_per_epoch=3", "threads=1")
+TINY_VIT = ("model=vit_tiny", "model.dim=32", "model.depth=2", "model.heads=2")  # 2 blocks
 
 # No dropout and no augmentation: the only randomness left is the data order, which every
 # strategy draws from the same seeded permutation (see Strategy.train_sampler).
@@ -303,3 +304,54 @@ def assert_same_params(
 
 def output_of(result: subprocess.CompletedProcess) -> str:
     return result.stdout + result.stderr
+
+
+def speed_cfg(**values: object) -> DictConfig:
+    """A `speed` section: the schema's defaults, `values` over them."""
+    from accelexp.config.schema import SpeedConfig
+
+    return OmegaConf.merge(OmegaConf.structured(SpeedConfig), values)
+
+
+@contextlib.contextmanager
+def served(store: str, folder: Path) -> Iterator[str]:
+    """A real `mlflow server` of `store` on a free local port, its artifacts and log in
+    `folder`; yields its base URL, stops it after. Its start is waited for as long as a loaded
+    machine may take (5 minutes), only to catch a server that never answers."""
+    import time
+
+    from accelexp.parallel.world import free_port
+
+    port = free_port()
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "server.log", "w") as log:
+        process = subprocess.Popen(
+            [str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri",
+             store, "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+             "--artifacts-destination", str(folder / "artifacts")],
+            stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no job workers
+        )  # fmt: skip
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 300
+            while not _answers(f"{base}/health"):
+                said = (folder / "server.log").read_text()
+                assert process.poll() is None, said
+                if time.monotonic() > deadline:
+                    pytest.fail(f"mlflow server did not answer /health:\n{said[-2000:]}")
+                time.sleep(0.5)
+            yield base
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
+
+def _answers(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except OSError:
+        return False

@@ -105,6 +105,9 @@ CASES = [
     case("speed.compile=fast", "speed.compile"),
     case("speed.optimizer_impl=turbo", "speed.optimizer_impl"),
     case("speed.tf32=maybe", "speed.tf32"),
+    case("speed.activation_checkpointing=sometimes", "speed.activation_checkpointing"),
+    case("speed.activation_checkpointing=selective speed.selective_ac_option=0", "op"),
+    case("speed.activation_checkpointing=full", "no repeated blocks"),  # simple_cnn: none
     # --- data ------------------------------------------------------------------------------
     case("data.name=foo", "data.name"),
     case("data=fashion_mnist data.root=/nonexistent", "/nonexistent"),
@@ -133,6 +136,8 @@ CASES = [
     case("precision=amp precision.init_scale=0", "precision.init_scale"),
     case("precision=amp precision.growth_interval=99999999999", "precision.growth_interval"),
     case("precision.init_scale=1024", "applies only to precision=amp"),  # fp32: no scaler
+    case("precision=fp8", "compute capability >= 8.9", no_gpu),  # fp8 tensor cores, or refused
+    case("precision=fp8 parallelism=ddp", "compute capability >= 8.9", no_gpu),  # no worker
     # --- optimizer -------------------------------------------------------------------------
     case("optimizer.lr=1e308", "optimizer.lr"),
     case("optimizer.lr=nan", "optimizer.lr"),
@@ -242,6 +247,17 @@ def test_more_cpu_workers_than_cores_only_when_forced(compose_cfg):
     with pytest.raises(ConfigError, match=r"parallelism\.oversubscribe=true"):
         check_resources(cfg, workers=workers)
     check_resources(OmegaConf.merge(cfg, {"parallelism": {"oversubscribe": True}}), workers)
+
+
+@no_gpu
+def test_fp8_without_fp8_tensor_cores_exits_2_before_any_worker(tmp_path, tracking_uri, capfd):
+    overrides = ["precision=fp8", "parallelism=ddp"]
+    result = run_here(capfd, *command(overrides, tmp_path, tracking_uri))
+    text = output_of(result)
+    assert result.returncode == 2, text
+    assert "fp8 tensor cores" in text and "it computes on the CPU" in text  # why
+    assert "Use precision=bf16 " in text and "precision=bf16_true" in text  # what instead
+    assert "Starting 2 ddp workers" not in text
 
 
 def test_a_given_data_root_must_exist(compose_cfg):

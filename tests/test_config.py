@@ -82,7 +82,7 @@ def test_the_plain_defaults_are_the_documented_ones():
         ("optimizer.lr=-1", "optimizer.lr", "-1"),
         ("epochs=0", "epochs", "0"),
         ("device=tpu", "device", "tpu"),
-        ("precision.name=fp8", "precision.name", "fp8"),
+        ("precision.name=fp16", "precision.name", "fp16"),
         ("target_accuracy=1.5", "target_accuracy", "1.5"),
         ("data.val_fraction=1.0", "data.val_fraction", "1.0"),
         ("optimizer=adamw optimizer.betas=[0.9,1.5]", "optimizer.betas", "1.5"),

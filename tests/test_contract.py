@@ -11,7 +11,9 @@ One parametrized suite over every strategy, against references trained once per 
 - **split = unsplit**: a model cut into stages (`parallelism=model`, any chunks or split points,
   any optimizer and precision) trains as the whole model on one device does;
 - **switch = eager**: `speed.compile` and `speed.channels_last` under 2 workers end where the
-  eager NCHW workers end (bf16 autocast; under FSDP in fp32, against one process).
+  eager NCHW workers end (bf16 autocast; under FSDP in fp32, against one process);
+  `speed.activation_checkpointing` (full, every k-th block, by op) under DDP, FSDP and stages
+  ends where one process without it ends.
 
 Every run is real: run.py's path (`accelexp.launch`), real worker processes over Gloo
 (torchrun) or Horovod (horovodrun --gloo), tracked into a store of its own and read back.
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import EXACT, assert_same_params, compose_config, final_params, only_run
+from conftest import EXACT, TINY_VIT, assert_same_params, compose_config, final_params, only_run
 from mlflow.entities import Run
 
 from accelexp.launch import launch
@@ -40,7 +42,6 @@ ACCUMULATING = (  # 2 workers x 2 micro-batches of 16 = one step on 64 samples
     "data.batch_size=16",
     "max_steps_per_epoch=8",
 )
-TINY_VIT = ("model=vit_tiny", "model.dim=32", "model.depth=2", "model.heads=2")
 RESNET18 = ("model=resnet18", *(o for o in ONE_PROCESS if not o.startswith("model.dropout")))
 ADAMW = ("optimizer=adamw", "scheduler=onecycle")
 BF16_DDP = (*TWO_WORKERS, "parallelism=ddp", "precision=amp")  # bf16 autocast on a CPU
@@ -109,6 +110,22 @@ def _stages_of_a_vit(run: Run) -> None:
 
 def _vit_units(run: Run) -> None:
     assert run.data.params["fsdp_units"] == "5"  # embedding, 2 blocks, head; the root
+
+
+def _checkpointing(mode: str) -> Callable[[Run], None]:
+    def check(run: Run) -> None:
+        assert run.data.tags["activation_checkpointing"] == mode
+        assert f"ac:{mode}" in run.info.run_name
+
+    return check
+
+
+def checkpointed(mode: str) -> tuple[str, ...]:
+    """`speed.activation_checkpointing` overrides: full, every<k> (selective) or op."""
+    if mode == "full":
+        return ("speed.activation_checkpointing=full",)
+    option = mode.removeprefix("every")
+    return ("speed.activation_checkpointing=selective", f"speed.selective_ac_option={option}")
 
 
 CASES = [
@@ -197,6 +214,30 @@ CASES = [
         check=_compiled_fsdp,
     ),
     Case("ddp-compile-bf16", (*BF16_DDP, "speed.compile=default"), BF16_DDP, check=_compiled),
+    Case(
+        "vit-fsdp-checkpointed",
+        (*TINY_VIT, "parallelism=fsdp", *TWO_WORKERS, *checkpointed("full")),
+        (*TINY_VIT, *ONE_PROCESS),
+        check=_checkpointing("full"),
+    ),
+    Case(
+        "vit-ddp-checkpointed-by-op",
+        (*TINY_VIT, "parallelism=ddp", *TWO_WORKERS, *checkpointed("op")),
+        (*TINY_VIT, *ONE_PROCESS),
+        check=_checkpointing("op"),
+    ),
+    Case(
+        "vit-stages-checkpointed",
+        (
+            *TINY_VIT,
+            "parallelism=model",
+            "parallelism.chunks=2",
+            *ONE_PROCESS,
+            *checkpointed("every1"),
+        ),
+        (*TINY_VIT, *ONE_PROCESS),
+        check=_checkpointing("every1"),
+    ),
     # Horovod: the model compiled with its gradient hooks intact, channels_last gradients
     # synced through a contiguous copy (as Horovod needs); against eager DDP workers, which
     # the fp32 cases show Horovod's equal

@@ -14,16 +14,13 @@ import http.server
 import os
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import TINY_DATA, TINY_RUN, new_store, output_of
+from conftest import TINY_DATA, TINY_RUN, new_store, output_of, served
 from mlflow import MlflowClient
 
 from accelexp.parallel.world import free_port
@@ -192,30 +189,8 @@ def server(tmp_path_factory, mlflow_template_db) -> Iterator[tuple[str, Path]]:
     """(base URL, folder of its store and artifacts) of a real `mlflow server`."""
     folder = tmp_path_factory.mktemp("server")
     store = new_store(folder, mlflow_template_db)
-    port = free_port()
-    log = open(folder / "server.log", "w")  # noqa: SIM115 (closed below)
-    process = subprocess.Popen(
-        [str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri", store,
-         "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--artifacts-destination", str(folder / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):  # the server starts in seconds; bounded wait
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2):
-                    break
-            except OSError:
-                assert process.poll() is None, (folder / "server.log").read_text()
-                time.sleep(0.5)
-        else:
-            pytest.fail("mlflow server did not answer /health")
+    with served(store, folder) as base:
         yield base, folder
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        log.close()
 
 
 def files_with_secret(*folders: Path) -> list[str]:

@@ -18,6 +18,7 @@ import torch
 from conftest import compose_config, new_store, only_run, output_of
 from mlflow import MlflowClient
 
+from accelexp import activation_checkpoint
 from accelexp.advice import is_command
 from accelexp.config.resources import usable_cores
 from accelexp.diagnosis.noise import NoiseSample
@@ -26,6 +27,7 @@ from accelexp.diagnosis.verdict import ROOM_SHARE, RunFacts, diagnose, usable
 from accelexp.engine import eager_warmup_steps
 from accelexp.launch import launch
 from accelexp.machine import IDLE_CORES_MIN, Machine
+from accelexp.models import build_model
 from accelexp.parallel import build_strategy, connect
 from accelexp.parallel.ddp import TimedAllreduce
 from accelexp.parallel.world import World, WorldShape
@@ -269,6 +271,12 @@ def test_the_advice_is_the_runs_own(compose_cfg):
     on_cpu.scale_out = scale_out(on_cpu.config, IDLE_CORE)
     assert overrides_of(diagnose(on_cpu)) == ["parallelism=ddp parallelism.nprocs=2 threads=1"]
 
+    # bf16_true computes in bf16 with bf16 weights: neither bf16 nor amp is offered to it
+    bf16_weights = facts("cuda", forward=1, backward=2)
+    bf16_weights.config = compose_cfg("precision=bf16_true")
+    bf16_weights.in_effect = {"precision": "bf16_true"}  # Precision.effective_name
+    assert not any(o.startswith("precision=") for o in overrides_of(diagnose(bf16_weights)))
+
     # fsdp refuses CUDA graphs: the overhead verdict offers the bigger batch and fused kernels
     busy = facts("cuda", forward=1, backward=2)
     busy.breakdown.gpu_busy = 0.3
@@ -288,6 +296,62 @@ def test_the_advice_is_the_runs_own(compose_cfg):
     advice = overrides_of(diagnose(full))
     assert "parallelism=fsdp" not in advice
     assert "parallelism.reshard_after_forward=true" in advice
+
+
+CHECKPOINT = "speed.activation_checkpointing=full"
+
+
+def test_a_memory_bound_model_with_blocks_is_offered_activation_checkpointing(compose_cfg):
+    """After the run's own ways (precision, a halved batch), before the strategies': only to a
+    model with blocks to checkpoint, not to one checkpointing all of them already."""
+    full = facts("cuda", forward=1, backward=2)
+    full.peak_mem_mb, full.device_mem_mb = 950.0, 1000.0
+    full.config = compose_cfg("parallelism=ddp", "model=vit_tiny")
+    assert CHECKPOINT not in overrides_of(diagnose(full))  # not known to have blocks
+    full.checkpointable = True
+    assert overrides_of(diagnose(full))[2:5] == [
+        "data.batch_size=32 parallelism.accumulate_steps=2",
+        CHECKPOINT,
+        "parallelism=fsdp",
+    ]
+    # every 2nd block checkpointed (the word SpeedSwitches.tags logs): all of them saves more
+    full.config = compose_cfg("model=vit_tiny", "speed.activation_checkpointing=selective")
+    full.in_effect = {"speed.activation_checkpointing": "every2"}
+    assert CHECKPOINT in overrides_of(diagnose(full))
+    full.config = compose_cfg("model=vit_tiny", CHECKPOINT)
+    full.in_effect = {"speed.activation_checkpointing": "full"}
+    assert CHECKPOINT not in overrides_of(diagnose(full))
+    # a memory lever costs speed: never what a compute-bound run is offered
+    compute = replace(facts("cuda", forward=1, backward=2), checkpointable=True)
+    assert CHECKPOINT not in overrides_of(diagnose(compute))
+
+
+def test_out_of_memory_offers_activation_checkpointing_to_a_model_with_blocks(compose_cfg):
+    cfg = compose_cfg("model=vit_tiny", "device=cpu")
+    strategy, precision = connect(cfg)
+    error = RuntimeError("DefaultCPUAllocator: can't allocate memory")
+    for checkpointable, in_effect, offered in [
+        (False, "none", False), (True, "none", True), (True, "full", False),
+    ]:  # fmt: skip
+        diagnosis = RunDiagnosis(
+            strategy, precision, cfg, None, {"speed.activation_checkpointing": in_effect},
+            convolutional=False, checkpointable=checkpointable,
+        )  # fmt: skip
+        message = str(diagnosis.out_of_memory(error, epoch=1))
+        assert "Ways out: precision=bf16" in message
+        assert (CHECKPOINT in message) is offered, message
+
+
+def test_which_models_have_blocks_to_checkpoint(compose_cfg):
+    """Asked of the model a strategy's `unwrap` gives back: its blocks checkpointed or not."""
+    cfg = compose_cfg("model=vit_tiny", "model.dim=32", "model.depth=2", "model.heads=2")
+    for mode, option in [("none", "2"), ("selective", "2"), ("full", "2")]:
+        vit = build_model(cfg.model, 3, 10, 16)
+        activation_checkpoint.apply(vit, mode, option)  # selective: 1 of 2 blocks wrapped
+        assert activation_checkpoint.checkpointable(vit), mode
+    simple = build_model(compose_cfg("model=simple_cnn").model, 3, 10, 16)
+    assert not activation_checkpoint.checkpointable(simple)
+    assert not activation_checkpoint.checkpointable(torch.nn.Linear(2, 2))  # no layer sequence
 
 
 # --- more devices: only where the machine has them idle -----------------------------------------

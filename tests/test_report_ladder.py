@@ -16,11 +16,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import new_store
+from conftest import CONF_DIR, new_store
+from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
+from omegaconf import OmegaConf
 
+from accelexp.config import register_configs
+from accelexp.config.catalog import flatten
 from accelexp.report import compare, ladder, main, write_sweep_report
+from accelexp.report.ladder import RUNG_NAMES
 from accelexp.tracking.query import RunRecord
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -265,6 +270,46 @@ def test_without_a_measured_fp32_rung_there_is_no_gain_over_fp32():
 def test_a_rung_is_placed_by_its_name_when_it_has_no_index():
     rows = ladder([rung_record("tf32", None, [0, 150]), rung_record("fp32", None, [0, 100])])
     assert [(r.rung, r.gain_vs_fp32) for r in rows] == [("fp32", 1.0), ("tf32", 1.5)]
+
+
+def test_the_checkpointing_rung_is_rung_6_with_every_block_checkpointed_off_the_default_ladder():
+    """A memory lever, not a speed-up: on the ladder (rung 7) when asked for, never by default
+    (simple_cnn, the study's model, has no blocks); its gain below 1 shows as the loss it is."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        rung = {
+            name: flatten(OmegaConf.to_container(compose("config", [
+                "+experiment=speedups", "model=vit_tiny", f"+rung={name}",
+            ])))
+            for name in ("bf16_true", "activation_checkpointing")
+        }  # fmt: skip
+    before, after = rung["bf16_true"], rung["activation_checkpointing"]
+    changed = {key for key in before.keys() | after.keys() if before.get(key) != after.get(key)}
+    assert changed == {
+        "speed.activation_checkpointing",
+        "mlflow.tags.rung",
+        "mlflow.tags.rung_index",
+    }
+    assert after["speed.activation_checkpointing"] == "full"
+    index = int(after["mlflow.tags.rung_index"])
+    assert index == RUNG_NAMES.index("activation_checkpointing") == len(RUNG_NAMES) - 1
+    default = OmegaConf.load(CONF_DIR / "experiment" / "speedups.yaml").hydra.sweeper.params
+    assert "activation_checkpointing" not in default["+rung"].split(",")
+
+    checkpointed = [
+        rung_record("bf16_true", 6, [0, 200], precision="bf16_true"),
+        rung_record("activation_checkpointing", 7, [0, 150], precision="bf16_true",
+                    params={"speed.activation_checkpointing": "full"}),
+    ]  # fmt: skip
+    checkpointed[0].params["speed.activation_checkpointing"] = "none"
+    for record, peak in zip(checkpointed, (800.0, 500.0), strict=True):
+        record.metrics["peak_mem_mb"] = peak
+    rows = ladder(checkpointed)
+    assert [row.status for row in rows[:6]] == ["MISSING"] * 6
+    lever = rows[7]
+    assert (lever.rung, lever.previous_rung) == ("activation_checkpointing", "bf16_true")
+    assert lever.gain_vs_previous == pytest.approx(150 / 200) and lever.vs_previous == "0.75×"
+    assert (rows[6].peak_mem_mb, lever.peak_mem_mb) == (800.0, 500.0)  # what it buys
 
 
 # --- the speed column, pure ---------------------------------------------------------------------

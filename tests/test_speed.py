@@ -16,6 +16,7 @@ import torch.nn as nn
 from conftest import (
     final_params,
     only_run,
+    speed_cfg,
 )
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
@@ -37,12 +38,6 @@ def restore_backend_flags():
     yield
     torch.backends.cudnn.benchmark = benchmark
     set_tf32(tf32)
-
-
-def speed_cfg(**values):
-    defaults = {"channels_last": "auto", "cudnn_benchmark": True, "tf32": False,
-                "compile": "off", "optimizer_impl": "auto"}  # fmt: skip
-    return OmegaConf.create({**defaults, **values})
 
 
 def conv_net() -> nn.Module:
@@ -186,7 +181,7 @@ def test_the_speedups_study_runs_one_child_per_rung(tmp_path, tracking_uri, cli)
         for r in runs
         if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
     }
-    assert list(children) and len(children) == len(runs) - 1 == 6
+    assert list(children) and len(children) == len(runs) - 1 == 7
     rungs = sorted(children.values(), key=lambda r: int(r.data.tags["rung_index"]))
     summary = [(r.data.tags["rung"], r.data.tags["precision"], r.data.tags["speed"]) for r in rungs]
     assert summary == [
@@ -196,9 +191,11 @@ def test_the_speedups_study_runs_one_child_per_rung(tmp_path, tracking_uri, cli)
         ("amp", "amp", "tf32+cl"),
         ("bf16", "bf16", "tf32+cl"),
         ("compile", "bf16", "tf32+cl+compile:default"),
+        ("bf16_true", "bf16_true", "tf32+cl+compile:default"),
     ]
     assert all(r.info.status == "FINISHED" for r in rungs)
-    assert "compile_s" in rungs[-1].data.metrics
+    assert all("compile_s" in r.data.metrics for r in rungs[-2:])
+    assert rungs[-1].data.params["param_dtype"] == "bfloat16"
 
 
 def linear_trainer(batches: int, warmup_steps: int = 0):

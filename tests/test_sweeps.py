@@ -15,21 +15,18 @@ import io
 import json
 import shutil
 import subprocess
-import sys
-import time
 import urllib.parse
 import urllib.request
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose_config, new_store, output_of, run_here
+from conftest import REPO, compose_config, new_store, output_of, run_here, served
 from mlflow import MlflowClient
 from playwright.sync_api import sync_playwright
 
 from accelexp import stats
 from accelexp.launch import launch
-from accelexp.parallel.world import free_port
 from accelexp.report import LADDER, RUNS, LadderRow, Row, compare
 from accelexp.report.html import write_html
 from accelexp.stats import Estimate, format_estimate
@@ -301,28 +298,8 @@ def test_report_html_holds_the_tables_notes_and_plots_and_escapes_text(tmp_path)
 @pytest.fixture(scope="module")
 def mlflow_server(grid_sweep):
     tmp, uri, _ = grid_sweep
-    port = free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri", uri,
-         "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--artifacts-destination", str(tmp / "served-artifacts")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):  # the server migrates and starts in seconds; bounded wait
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2):
-                    break
-            except OSError:
-                assert server.poll() is None, "mlflow server exited"
-                time.sleep(0.5)
-        else:
-            pytest.fail("mlflow server did not answer /health")
+    with served(uri, tmp / "server") as base:
         yield base
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def rest(base: str, path: str, body: dict) -> dict:

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 from conftest import (
     compose_config,
+    final_params,
     group_options,
     new_store,
     only_run,
@@ -23,8 +25,10 @@ from accelexp import engine
 from accelexp.data import BatchLoader, build_data
 from accelexp.errors import AccelexpError
 from accelexp.models import build_model
-from accelexp.optim import build_scheduler, lr_factor
-from accelexp.precision import Precision
+from accelexp.optim import build_optimizer, build_scheduler, lr_factor
+from accelexp.parallel import connect
+from accelexp.precision import Precision, float8_eligible, fp8_problem
+from accelexp.step import train_step
 from accelexp.tracking.runs import significant
 from accelexp.train import run
 
@@ -49,17 +53,77 @@ def lr_history(tracking_uri: str) -> list[float]:
 # --- precision --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("precision", ["fp32", "amp", "bf16"])
+# every precision a CPU runs (fp8 needs a GPU of compute capability >= 8.9: refused here,
+# tests/test_bad_input.py), and the dtype its weights are stored in
+CPU_PRECISIONS = {"fp32": "float32", "amp": "float32", "bf16": "float32", "bf16_true": "bfloat16"}
+
+
+@pytest.mark.parametrize("precision", sorted(CPU_PRECISIONS))
 def test_one_epoch_in_each_precision(compose_cfg, tracking_uri, tmp_path, precision):
     cfg = compose_cfg(f"precision={precision}")
     metrics = run(cfg, tmp_path / "out")
     assert_sane_final_metrics(metrics)
-    assert only_run(tracking_uri).data.tags["precision"] == precision
-    assert (tmp_path / "out" / "checkpoints" / "best.pt").is_file()
+    logged = only_run(tracking_uri).data
+    assert logged.tags["precision"] == precision
+    assert logged.params["param_dtype"] == CPU_PRECISIONS[precision]
+    # the best weights as trained: bf16 under bf16_true
+    weights = final_params(tmp_path / "out")
+    assert {str(t.dtype) for t in weights.values()} == {f"torch.{CPU_PRECISIONS[precision]}"}
+
+
+def test_bf16_true_trains_bf16_weights_and_optimizer_state(compose_cfg):
+    """The model the strategy wraps, its gradients and its optimizer's state are bf16 (its
+    BatchNorm's fp32), the batch is cast to bf16, nothing is autocast or scaled, and a few
+    steps on one batch bring its loss down."""
+    cfg = compose_cfg("precision=bf16_true", "model=resnet18", "optimizer=adamw")
+    strategy, precision = connect(cfg)
+    assert (precision.param_dtype, precision.compute_dtype) == (torch.bfloat16, torch.bfloat16)
+    assert precision.autocast_dtype is None and precision.scaler is None
+    assert precision.effective_name == "bf16_true"
+    torch.manual_seed(0)
+    model = strategy.wrap_model(build_model(cfg.model, 3, 10, 16), precision)
+    optimizer = build_optimizer(cfg.optimizer, model.parameters(), 1e-3)
+    images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
+    assert precision.cast_inputs(images).dtype == torch.bfloat16
+    losses = [
+        train_step(model, images, labels, optimizer, precision, strategy)[0].item()
+        for _ in range(4)
+    ]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
+    norms = {
+        id(p) for m in model.modules() if isinstance(m, nn.BatchNorm2d) for p in m.parameters()
+    }
+    assert norms
+    for param in model.parameters():
+        dtype = torch.float32 if id(param) in norms else torch.bfloat16
+        state = optimizer.state[param]
+        assert param.dtype == dtype
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == dtype
+    running = [m.running_var for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert all(r.dtype == torch.float32 for r in running)
+
+
+def test_fp8_is_refused_without_fp8_tensor_cores_and_converts_only_multiples_of_16():
+    cpu, ampere = fp8_problem("cpu"), fp8_problem("cuda", [(9, 0), (8, 0)])
+    assert "compute capability >= 8.9" in cpu and "no CUDA GPU" in cpu
+    assert "compute capability 8.0" in ampere and "precision=bf16_true" in ampere
+    assert fp8_problem("cuda", [(8, 9), (9, 0)]) == ""
+    layers = (nn.Linear(32, 16), nn.Linear(20, 32), nn.Conv2d(16, 16, 1))
+    assert [float8_eligible(layer) for layer in layers] == [True, False, False]
+    precision = Precision("fp8", torch.device("cpu"))
+    assert precision.autocast_dtype == torch.bfloat16 and precision.param_dtype == torch.float32
+    with pytest.raises(AccelexpError, match=r"compute capability >= 8\.9"):
+        precision.prepare_model(nn.Linear(32, 16))
 
 
 @pytest.mark.parametrize(
-    ("name", "dtype"), [("fp32", None), ("amp", torch.bfloat16), ("bf16", torch.bfloat16)]
+    ("name", "dtype"),
+    [
+        ("fp32", None),
+        ("amp", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        ("bf16_true", None),  # no autocast: its model and inputs are bf16 themselves
+    ],
 )
 def test_precision_autocasts_the_forward_pass_on_cpu(name, dtype):
     precision = Precision(name, torch.device("cpu"))

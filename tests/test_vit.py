@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from conftest import (
     output_of,
+    speed_cfg,
 )
 from omegaconf import OmegaConf
 
@@ -26,7 +27,6 @@ from accelexp.speed import SpeedSwitches
 
 CPU = torch.device("cpu")
 # a ViT of a second's training on 16px synthetic images (auto patch 4: 16 patches)
-TINY_VIT = ("model=vit_tiny", "model.dim=32", "model.depth=2", "model.heads=2")
 
 
 def vit(channels: int = 3, size: int = 16, **keys) -> nn.Module:
@@ -121,14 +121,7 @@ def test_vit_b_16_pretrained_is_refused_off_its_image_size_or_without_cached_wei
 def test_channels_last_is_harmless_on_a_vit():
     """Its patch embedding is a convolution, so `speed.channels_last` may turn NHWC on."""
     model = vit().eval()
-    switches = SpeedSwitches.resolve(
-        OmegaConf.create(
-            {"channels_last": True, "cudnn_benchmark": False, "tf32": False}
-            | {"compile": "off", "optimizer_impl": "auto"}
-        ),
-        CPU,
-        model,
-    )
+    switches = SpeedSwitches.resolve(speed_cfg(channels_last=True), CPU, model)
     x = images(4)
     with torch.no_grad():
         expected = model(x)

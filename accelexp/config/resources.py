@@ -2,8 +2,9 @@
 
 `check_resources(cfg, workers)`: cores for the workers, their threads and loader processes
 (unless `parallelism.oversubscribe=true`), memory for the data and the model, a full batch in
-every worker's share of the training set, GPUs for a NCCL backend, and what the strategy needs
-of the machine (`accelexp.parallel.rules.resource_problems`).
+every worker's share of the training set, GPUs for a NCCL backend, fp8 tensor cores for
+`precision=fp8` (a CUDA GPU of compute capability >= 8.9: `accelexp.precision.fp8_problem`), and
+what the strategy needs of the machine (`accelexp.parallel.rules.resource_problems`).
 """
 
 from __future__ import annotations
@@ -36,9 +37,23 @@ def check_resources(cfg: DictConfig, workers: int = 1) -> None:
             "  parallelism.backend=nccl needs CUDA GPUs, and this run has none (device="
             f"{cfg.device}): use parallelism.backend=gloo or auto."
         )
+    problems += _precision_problems(cfg, gpus)
     problems += strategy_rules.resource_problems(cfg, gpus)
     if problems:
         raise ConfigError("Cannot run this configuration here:\n" + "\n".join(problems))
+
+
+def _precision_problems(cfg: DictConfig, gpus: int) -> list[str]:
+    """fp8 matmuls on a machine without fp8 tensor cores (every visible GPU's capability)."""
+    if cfg.precision.name != "fp8":
+        return []
+    import torch
+
+    from accelexp.precision import fp8_problem
+
+    capabilities = [torch.cuda.get_device_capability(i) for i in range(gpus)]
+    problem = fp8_problem("cuda" if gpus else "cpu", capabilities)
+    return [f"  {problem}"] if problem else []
 
 
 def usable_cores() -> int:

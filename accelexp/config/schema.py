@@ -118,7 +118,8 @@ class SyntheticDataConfig(DataConfig):
 
 @dataclass
 class PrecisionConfig:
-    """fp32, amp or bf16: the dtype of the forward and backward passes."""
+    """fp32, amp, bf16, bf16_true or fp8: the dtypes of the forward and backward passes and of
+    the weights (accelexp.precision); only amp has keys of its own."""
 
     name: str = option_name("fp32")
 
@@ -249,6 +250,14 @@ class SpeedConfig:
     optimizer_impl: str = key(
         "auto", "optimizer kernels", choices=("auto", "for_loop", "foreach", "fused")
     )
+    activation_checkpointing: str = key(
+        "none",
+        "recompute blocks' activations in the backward: less memory, more compute",
+        choices=("none", "full", "selective"),
+    )
+    selective_ac_option: str = key(
+        "2", "under selective: k (every k-th block) or op (keep matmul/conv outputs)"
+    )
 
 
 # --- optimizer -----------------------------------------------------------------------------
@@ -354,6 +363,9 @@ class MaxBatchConfig:
 
     search: bool = key(False, "after training, on CUDA: double the batch until out of memory")
     limit: int = key(65536, "the largest per-worker batch tried")
+    device_mem_gb: float | None = key(
+        None, "the forecast's largest batch fits this much device memory (GiB); null: the GPU's"
+    )
 
 
 @dataclass
@@ -391,7 +403,7 @@ class Config:
     model: Any = key(MISSING, "the model (conf/model/)")
     data: Any = key(MISSING, "the dataset and how it is batched (conf/data/)")
     parallelism: Any = key(MISSING, "the strategy and its workers (conf/parallelism/)")
-    precision: Any = key(MISSING, "fp32, amp or bf16 (conf/precision/)")
+    precision: Any = key(MISSING, "fp32, amp, bf16, bf16_true or fp8 (conf/precision/)")
     optimizer: Any = key(MISSING, "the optimizer (conf/optimizer/)")
     scheduler: Any = key(MISSING, "the lr schedule (conf/scheduler/)")
     mlflow: MlflowConfig = section(MlflowConfig, "where the run is recorded", NOTHING)
@@ -431,6 +443,9 @@ class Config:
         None, "continue a run: auto, an MLflow run id, a run folder or last.pt", NOTHING
     )
     profile: bool = key(False, "torch.profiler traces of a few steps, logged to MLflow", SPEED)
+    estimate: bool = key(
+        False, "print one step's memory per device (fake tensors) instead of training", NOTHING
+    )
     profiler: ProfilerConfig = section(ProfilerConfig, "what profile true traces", SPEED)
     max_batch: MaxBatchConfig = section(MaxBatchConfig, "the largest batch that fits", NOTHING)
     autotune: AutotuneConfig = section(AutotuneConfig, "the autotune loop's budget", NOTHING)

@@ -33,7 +33,7 @@ from accelexp.config.schema import SCHEMAS, Config
 from accelexp.errors import ConfigError
 from accelexp.parallel import rules as strategy_rules
 
-PRECISIONS = ("fp32", "amp", "bf16")
+PRECISIONS = ("fp32", "amp", "bf16", "bf16_true", "fp8")  # conf/precision (accelexp.precision)
 FLOAT32_MAX = 3.4028234663852886e38  # an lr or a scale beyond it overflows torch's float32 math
 SEED_MAX = 2**32 - 1  # numpy's seeding takes [0, 2**32 - 1]
 INT32_MAX = 2**31 - 1
@@ -164,12 +164,20 @@ def _rules() -> list[Rule]:
         ("profiler.warmup", lambda v: v >= 0, "an integer >= 0"),
         ("profiler.active", *at_least_one),
         ("max_batch.limit", *at_least_one),
+        ("max_batch.device_mem_gb", lambda v: v is None or v > 0, "null or a number of GiB > 0"),
         ("autotune.budget_s", *positive),
         ("autotune.max_trials", lambda v: v >= 2, "an integer >= 2 (the base and a candidate)"),
         ("autotune.accuracy_tolerance", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
         ("speed.channels_last", *auto_or_bool),
         _one_of("speed.compile"),
         _one_of("speed.optimizer_impl"),
+        _one_of("speed.activation_checkpointing"),
+        (
+            "speed.selective_ac_option",
+            lambda v: str(v) == "op" or (str(v).isdigit() and int(v) >= 1),
+            "a number k >= 1 (checkpoint every k-th block) or op (every block, keeping the "
+            "outputs of its matmuls, attention and convolutions)",
+        ),
         (
             "mlflow.tracking_uri",
             _tracking_store,

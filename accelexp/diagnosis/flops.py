@@ -48,11 +48,13 @@ def peak_flops(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     size: int | None = None,
     repeats: int = 5,
+    dtype: torch.dtype = torch.float32,
 ) -> float:
-    """FLOP/s of the best of `repeats` timed `size` x `size` matmuls under `autocast`."""
+    """FLOP/s of the best of `repeats` timed `size` x `size` matmuls of `dtype` (the run's
+    parameters': bf16 under precision=bf16_true) under `autocast`."""
     size = size or (8192 if device.type == "cuda" else 1024)
-    a = torch.randn(size, size, device=device, generator=_generator(device))
-    b = torch.randn(size, size, device=device, generator=_generator(device))
+    a = torch.randn(size, size, device=device, generator=_generator(device)).to(dtype)
+    b = torch.randn(size, size, device=device, generator=_generator(device)).to(dtype)
     best = float("inf")
     with autocast():
         a @ b  # warm-up: kernel choice, first-touch

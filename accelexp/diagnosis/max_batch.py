@@ -131,9 +131,10 @@ def search(trial: Trial, start: int, limit: int) -> MaxBatch:
     return MaxBatch(fit, f"{origin}: {fit} fit, {too_big} ran out of memory")
 
 
-def step_memory(trial: Trial, batch: int) -> dict[str, float]:
+def step_memory(trial: Trial, batch: int, per_device: bool = False):
     """The peak of live tensors over one training step at `batch`, in MiB: `step_peak_mb`, and
-    by kind `step_peak_<kind>_mb` (every rank steps; the figures are this rank's)."""
+    by kind `step_peak_<kind>_mb` (every rank steps; the figures are this rank's), of the
+    strategy's device; with `per_device`, a dict of them for every device the step used."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
@@ -142,7 +143,12 @@ def step_memory(trial: Trial, batch: int) -> dict[str, float]:
     with tracker:
         trial.step(batch)
     trial.optimizer.zero_grad()
-    peaks = tracker.get_tracker_snapshot("peak")[trial.strategy.device]
+    snapshot = tracker.get_tracker_snapshot("peak")
+    by_device = {device: _in_mb(peaks) for device, peaks in snapshot.items()}
+    return by_device if per_device else by_device[trial.strategy.device]
+
+
+def _in_mb(peaks: dict) -> dict[str, float]:
     metrics = {STEP_PEAK_MB: peaks["Total"] / 2**20}
     for kind, size in peaks.items():
         if kind != "Total":

@@ -48,14 +48,17 @@ class RunDiagnosis:
         flops_per_sample: float | None,
         in_effect: Mapping[str, str] | None = None,
         convolutional: bool = True,
+        checkpointable: bool = False,
     ) -> None:
         """`cfg`: the run's config, `in_effect`: the settings it really ran with where they
         differ from it (`speed.channels_last` chosen by `auto`; the precision it computes in,
         bf16 for amp on a CPU, is the precision's own), `convolutional`: whether the model has
-        2-D convolutions; the advice is drawn for them."""
+        2-D convolutions, `checkpointable`: whether it has blocks activation checkpointing can
+        checkpoint; the advice is drawn for them."""
         self.strategy, self.precision = strategy, precision
         self.in_effect = {**(in_effect or {}), "precision": precision.effective_name}
         self.cfg, self.convolutional = cfg, convolutional
+        self.checkpointable = checkpointable
         self.batch_size, self.flops_per_sample = cfg.data.batch_size, flops_per_sample
         self.last: Breakdown | None = None
         self.samples_per_s_per_device = 0.0
@@ -116,7 +119,9 @@ class RunDiagnosis:
         noise, machine = self.noise_verdict(), self.machine()
         utilisation = peak = None
         if self.flops_per_sample:
-            peak = flops.peak_flops(device, self.precision.autocast)
+            peak = flops.peak_flops(
+                device, self.precision.autocast, dtype=self.precision.param_dtype
+            )
             utilisation = self.flops_per_sample * self.samples_per_s_per_device / peak
         verdict = diagnose(
             RunFacts(
@@ -131,6 +136,7 @@ class RunDiagnosis:
                 config=self.cfg,
                 in_effect=self.in_effect,
                 convolutional=self.convolutional,
+                checkpointable=self.checkpointable,
                 scale_out=self.strategy.scale_out_advice(machine),
                 machine=machine,
                 contention=noise.evidence if noise.contended else [],
@@ -169,7 +175,8 @@ class RunDiagnosis:
         if total:
             reached += f" of {total:.0f} MB"
         tried = str(error).strip().splitlines()[0][:160]
-        advice = usable(memory_advice(self.batch_size), self.cfg, self.in_effect)
+        advice = memory_advice(self.batch_size, self.checkpointable)
+        advice = usable(advice, self.cfg, self.in_effect)
         ways = "; ".join(f"{override} ({why})" for override, why in advice)
         return RunOutOfMemoryError(
             f"Out of memory on {device} in epoch {epoch} with data.batch_size={self.batch_size} "

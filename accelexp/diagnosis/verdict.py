@@ -22,10 +22,15 @@
    below `ROOM_SHARE` of the device's memory, a doubled batch.
 
 The advice is the run's own: with the run's config (`RunFacts.config`), an override already in
-effect (`precision=bf16` to a bf16 run) or one the config's validation refuses (CUDA graphs,
+effect (`precision=bf16` to a bf16 run; `precision=bf16` or `amp` to a `bf16_true` or `fp8` run,
+which computes in bf16 or less already: `HALF_WIDTH_ALREADY`) or one the config's validation
+refuses (CUDA graphs,
 `speed.compile=reduce-overhead`, to an `fsdp` run) is left out, the strategies' ways to need less
-memory per device are theirs (`accelexp.parallel.rules.MEMORY_ADVICE`), and
-`speed.channels_last` is offered only to a model with convolutions.
+memory per device are theirs (`accelexp.parallel.rules.MEMORY_ADVICE`),
+`speed.channels_last` is offered only to a model with convolutions, and
+`speed.activation_checkpointing=full` (a memory verdict's, an out-of-memory run's) only to a model
+with repeated blocks to checkpoint (`RunFacts.checkpointable`), not to one checkpointing all of
+them already.
 
 "More devices" (compute-bound runs) is the strategy's own (`Strategy.scale_out_advice`) and
 knows the machine (`accelexp.machine`): on a CPU it is offered only where the run measurably
@@ -73,6 +78,10 @@ MEMORY_SHARE = 0.90
 ROOM_SHARE = 0.40  # a compute-bound GPU run below this share of the memory may double its batch
 GPU_BUSY = 0.60
 FLOP_SHARE = 0.05
+# precision options whose gain (half-width arithmetic and activations) a run of another
+# precision has already: bf16_true computes in bf16 with bf16 weights besides, fp8 its matmuls in
+# fp8 and the rest in bf16
+HALF_WIDTH_ALREADY = {"bf16_true": ("amp", "bf16"), "fp8": ("amp", "bf16")}
 
 
 @dataclass
@@ -93,6 +102,8 @@ class RunFacts:
     config: DictConfig | None = None
     in_effect: Mapping[str, str] = field(default_factory=dict)
     convolutional: bool = True  # the model has 2-D convolutions (channels_last helps it)
+    # the model has repeated blocks to checkpoint (accelexp.activation_checkpoint.checkpointable)
+    checkpointable: bool = False
     # the strategy's advice for more devices, with why (Strategy.scale_out_advice, drawn from
     # `machine`); None: this host had no idle devices, or the run was not measured
     scale_out: Advice | None = None
@@ -233,6 +244,9 @@ def _usable(override: str, cfg: DictConfig, settings: Mapping[str, str]) -> bool
     pairs = [token.split("=", 1) for token in override.split()]
     if all(settings.get(key) == value for key, value in pairs):
         return False  # in effect already
+    already = HALF_WIDTH_ALREADY.get(settings.get("precision", ""), ())
+    if any(key == "precision" and value in already for key, value in pairs):
+        return False  # its gain is in effect already
     if any("." not in key for key, _ in pairs):
         return True  # a group's option: what it composes is Hydra's to know
     trial = copy.deepcopy(cfg)
@@ -291,7 +305,7 @@ def _diagnose(facts: RunFacts) -> Verdict:
                 "memory",
                 f"the peak allocation reached {_pct(used)} of the GPU's memory",
                 evidence,
-                memory_advice(facts.batch_size),
+                memory_advice(facts.batch_size, facts.checkpointable),
             )
     if cuda and b.gpu_busy is not None and b.gpu_busy < GPU_BUSY:
         return Verdict(
@@ -364,8 +378,16 @@ def _compute_advice(facts: RunFacts) -> list[Advice]:
     return advice
 
 
-def memory_advice(batch_size: int) -> list[Advice]:
-    """The ways to need less memory per device, the cheapest first."""
+CHECKPOINT_ADVICE = (
+    "speed.activation_checkpointing=full",
+    "each block keeps only its input and runs its forward again in the backward: most of the "
+    "activations' memory for about a third more compute",
+)
+
+
+def memory_advice(batch_size: int, checkpointable: bool = False) -> list[Advice]:
+    """The ways to need less memory per device, the cheapest first; activation checkpointing
+    where the model has blocks to checkpoint (`checkpointable`)."""
     return [
         ("precision=bf16", "half-width activations: about half the memory they take"),
         ("precision=amp", "fp16 activations, with loss scaling"),
@@ -373,5 +395,6 @@ def memory_advice(batch_size: int) -> list[Advice]:
             f"data.batch_size={max(1, batch_size // 2)} parallelism.accumulate_steps=2",
             "the same samples per optimizer step, half the activations at a time",
         ),
+        *([CHECKPOINT_ADVICE] if checkpointable else []),
         *MEMORY_ADVICE,  # the strategies' own
     ]

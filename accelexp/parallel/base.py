@@ -19,6 +19,7 @@ its `sync`, and never asks which strategy is running.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import resource
 from collections.abc import Sequence
@@ -91,6 +92,14 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+def to_device(module: nn.Module, device: torch.device) -> nn.Module:
+    """`module.to(device)`, unless all of it is there already: a no-op for real tensors, and the
+    one way for the fake ones of a memory forecast (`accelexp.forecast`), which `Module.to`
+    cannot swap with themselves."""
+    tensors = itertools.chain(module.parameters(), module.buffers())
+    return module if all(t.device == device for t in tensors) else module.to(device)
+
+
 class Placement:
     """Where one replica's layers live; this base: all of them on one device."""
 
@@ -121,7 +130,7 @@ class Placement:
 
     def place(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
         """Put the model on the replica's device(s); `input_shape` is one batch's shape."""
-        return model.to(self.devices[0])
+        return to_device(model, self.devices[0])
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -176,6 +185,11 @@ class Sync:
 
     def leave(self) -> None:
         pass
+
+    def untraced_bytes(self, model: nn.Module) -> int:
+        """Memory this sync holds on the device in a step that a memory forecast cannot follow
+        in fake tensors (`accelexp.forecast`); this base: none."""
+        return 0
 
     # --- model and optimizer ----------------------------------------------------------------
     def prepare(self, model: nn.Module) -> nn.Module:
@@ -341,7 +355,10 @@ class Strategy:
         input_shape: Sequence[int] | None = None,
         compile_mode: str | None = None,
     ) -> nn.Module:
-        """The model placed, wrapped and, with a `compile_mode`, compiled (`torch.compile`)."""
+        """The model made ready for its `precision` (`Precision.prepare_model`: bf16_true's
+        converted to bf16, fp8's linear layers to float8), placed, wrapped and, with a
+        `compile_mode`, compiled (`torch.compile`)."""
+        model = precision.prepare_model(model)
         placed = self.placement.place(self.sync.prepare(model), input_shape)
         self.model = self.sync.wrap(placed, precision, compile_mode)
         if compile_mode and not self.sync.compiles_units:

@@ -108,6 +108,11 @@ class DDPSync(TorchDistributed):
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
 
+    def untraced_bytes(self, model: nn.Module) -> int:
+        """The reducer's gradient buckets (C++, which fake tensors cannot run): a second copy of
+        the gradients, in the parameters' dtype (gradient_as_bucket_view is off)."""
+        return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
     def comm_advice(self) -> list[tuple[str, str]]:
         return [
             ("parallelism.comm_hook=fp16", "gradients sent as fp16: half the bytes to allreduce"),

@@ -13,13 +13,17 @@ all-gathered just before its forward (and again before its backward when
   only between steps).
 - `reshard_after_forward`: free the gathered parameters after each unit's forward (less memory,
   one more all-gather in the backward pass); false keeps them until the backward (ZeRO-2-like).
-- Mixed precision follows the run's `Precision` (its `compute_dtype` and `reduce_dtype`): bf16
-  (or fp16 for amp on CUDA) parameters in forward and backward with fp32 master weights and
+- Mixed precision follows the run's `Precision` (its `cast_param_dtype` and `reduce_dtype`):
+  bf16 (or fp16 for amp on CUDA) parameters in forward and backward with fp32 master weights and
   optimizer; gradients reduced in fp32 (`reduce_in_fp32: false` reduces them in the compute
-  dtype). fp16 on CUDA uses the run's
+  dtype). Under `bf16_true` the parameters are bf16 already (converted before sharding): nothing
+  is cast for the forward, and the bf16 gradients are reduce-scattered in fp32 all the same
+  (FSDP2 casts them up and their reduced shards back to bf16; `reduce_in_fp32: false`: in bf16,
+  half the bytes). fp16 on CUDA uses the run's
   ordinary GradScaler: under FSDP2 gradients are DTensors, and GradScaler's inf check on them
-  covers every shard. BatchNorm layers keep fp32 weights (FSDP1's default): a unit's
-  BatchNorms are one fp32 group, sharded just before the unit.
+  covers every shard. BatchNorm layers keep fp32 weights (FSDP1's default; bf16_true keeps
+  them fp32 too): a unit's BatchNorms are one fp32 group, sharded just before the unit (FSDP2
+  takes one dtype of parameters per unit).
 - `cpu_offload`: parameters, gradients and optimizer state live in host memory, on CUDA only
   (refused before any worker starts on a run without a GPU: `rules.py`).
 - Gradient accumulation: the micro-batches that only accumulate skip the reduce-scatter
@@ -100,16 +104,24 @@ class FSDPSync(TorchDistributed):
     compiles_units = True
     compiled = 0  # layers compiled before sharding (speed.compile)
 
+    def start(self, device: torch.device, shape) -> None:
+        super().start(device, shape)
+        # the world's 1-D mesh, made once its process group is (with real tensors: a memory
+        # forecast wraps the model in fake ones, accelexp.forecast)
+        self.mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+
     def wrap(
         self, model: nn.Module, precision: Precision, compile_mode: str | None = None
     ) -> nn.Module:
         cfg = self.cfg
         dtype = precision.compute_dtype  # the parameters' in forward and backward; None: fp32
         reduce_dtype = precision.reduce_dtype(cfg.reduce_in_fp32)
+        # None: the parameters are stored in the compute dtype already (bf16_true)
+        cast = precision.cast_param_dtype
         options = {
-            "mesh": init_device_mesh(self.device.type, (torch.distributed.get_world_size(),)),
+            "mesh": self.mesh,
             "reshard_after_forward": cfg.reshard_after_forward,
-            "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=reduce_dtype),
+            "mp_policy": MixedPrecisionPolicy(param_dtype=cast, reduce_dtype=reduce_dtype),
             "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
         }
         # BatchNorm keeps fp32 weights, as FSDP1's MixedPrecision does by default: its running
@@ -119,8 +131,9 @@ class FSDPSync(TorchDistributed):
         self.units, self.norm_groups, grouped = 0, 0, set()
 
         def shard(unit: nn.Module) -> None:
-            """`unit` becomes an FSDP unit; under mixed precision, its BatchNorms not yet in
-            one are sharded first, as one group that keeps fp32 weights (one all-gather)."""
+            """`unit` becomes an FSDP unit; under mixed precision or bf16_true, its BatchNorms
+            not yet in one are sharded first, as one group that keeps fp32 weights (one
+            all-gather)."""
             norms = [m for m in unit.modules() if isinstance(m, _BatchNorm) and m not in grouped]
             grouped.update(norms)
             if dtype is not None and norms and norms != [unit]:

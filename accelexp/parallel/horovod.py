@@ -11,9 +11,11 @@ optimizer state, when there is any) broadcast from rank 0; metrics summed with a
 rank 0 logs and saves.
 
 With a GradScaler (fp16 AMP on CUDA) the step follows Horovod's AMP recipe: synchronize the
-gradients, unscale them, then step without a second synchronization. Horovod's allreduce has no
-bfloat16: accelexp keeps parameters, hence gradients, in fp32 under every precision (autocast
-only changes the compute dtype), and refuses a model whose parameters are bf16.
+gradients, unscale them, then step without a second synchronization. Horovod's allreduce and
+broadcast have no bfloat16: under `precision=bf16_true` (bf16 weights, hence gradients) each bf16
+tensor travels as an fp32 copy (`parallelism.compression=fp16`: as fp16) and comes back bf16;
+under every other precision parameters and gradients are fp32 (autocast only changes the compute
+dtype).
 
 Communication time: Horovod's background thread allreduces each gradient as the backward pass
 produces it; `optimizer.synchronize()` waits for what is left. The step calls it explicitly and
@@ -50,13 +52,23 @@ def _import_horovod():
     return hvd
 
 
+def sendable(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as Horovod's collectives take it: contiguous, and fp32 where it is bf16 (Horovod
+    has no bfloat16); the tensor itself when it is both already."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.to(torch.float32, memory_format=torch.contiguous_format)
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
 def contiguous(compression: type) -> type:
-    """Horovod's `compression`, for gradients in any memory format.
+    """Horovod's `compression`, for gradients in any memory format and in bf16.
 
     Horovod's allreduce takes contiguous tensors only, and a channels_last weight has a
     channels_last gradient. This compressor sends a contiguous copy and gives the result back in
     the gradient's own layout: two copies of each such gradient per step, a small cost beside
-    the convolutions that channels_last speeds up. Contiguous gradients pass untouched.
+    the convolutions that channels_last speeds up. A bf16 gradient (precision=bf16_true) is sent
+    as fp32, or as fp16 by the fp16 compression, and given back in bf16. Contiguous fp32
+    gradients pass untouched.
     """
 
     class Contiguous(compression):
@@ -66,12 +78,14 @@ def contiguous(compression: type) -> type:
             if layout is not None and not tensor.is_contiguous(memory_format=layout):
                 raise AccelexpError(f"Horovod cannot sync a gradient of strides {tensor.stride()}")
             sent, inner = compression.compress(tensor.contiguous())
-            return sent, (inner, layout)
+            if sent.dtype == torch.bfloat16:  # Horovod has no bfloat16
+                sent = sent.float()
+            return sent, (inner, layout, tensor.dtype)
 
         @staticmethod
         def decompress(tensor: torch.Tensor, ctx):
-            inner, layout = ctx
-            result = compression.decompress(tensor, inner)
+            inner, layout, dtype = ctx
+            result = compression.decompress(tensor, inner).to(dtype)
             return result if layout is None else result.contiguous(memory_format=layout)
 
     return Contiguous
@@ -116,8 +130,9 @@ class HorovodSync(Sync):
         self, model: nn.Module, precision: Precision, compile_mode: str | None = None
     ) -> nn.Module:
         state = model.state_dict()
-        # Horovod sends contiguous tensors only: channels_last weights travel as NCHW copies
-        sent = {k: t if t.is_contiguous() else t.contiguous() for k, t in state.items()}
+        # Horovod sends contiguous tensors only: channels_last weights travel as NCHW copies,
+        # bf16 ones (precision=bf16_true) as fp32 copies
+        sent = {k: sendable(t) for k, t in state.items()}
         self.hvd.broadcast_parameters(sent, root_rank=0)
         for name, tensor in state.items():
             if sent[name] is not tensor:
@@ -128,12 +143,6 @@ class HorovodSync(Sync):
         self, optimizer: torch.optim.Optimizer, model: nn.Module, accumulate_steps: int
     ) -> torch.optim.Optimizer:
         hvd = self.hvd
-        bf16 = [name for name, p in model.named_parameters() if p.dtype == torch.bfloat16]
-        if bf16:
-            raise AccelexpError(
-                f"Horovod's allreduce has no bfloat16, but parameters {bf16[:3]} are bf16. "
-                "Keep the model in fp32 and use precision=bf16 (autocast) instead."
-            )
         if optimizer.state_dict()["state"]:
             # A fresh optimizer is identical on every rank by construction. Horovod's broadcast
             # would first initialise its state with a zero-gradient step, which under weight

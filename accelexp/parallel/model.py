@@ -124,7 +124,11 @@ class Stages(Placement):
         if cfg.balance == "compute" and input_shape is not None:
             model.to(self.devices[0])  # timed on the first device, one micro-batch at a time
             batch, *sample = input_shape
-            example = torch.randn(max(1, batch // cfg.chunks), *sample, device=self.devices[0])
+            # in the dtype of the first layer's weights (bf16 under precision=bf16_true)
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+            example = torch.randn(
+                max(1, batch // cfg.chunks), *sample, device=self.devices[0], dtype=dtype
+            )
         stages, self.split_points = split_layers(
             model, len(self.devices), cfg.split_points, cfg.balance, example
         )

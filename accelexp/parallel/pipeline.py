@@ -36,6 +36,7 @@ import torch.nn as nn
 
 from accelexp.errors import ConfigError
 from accelexp.models import layer_sequence
+from accelexp.parallel.base import to_device
 
 
 def balanced_split(weights: Sequence[float], stages: int) -> list[int]:
@@ -180,7 +181,7 @@ class Pipeline(nn.Module):
     ) -> None:
         super().__init__()
         self.stages = nn.ModuleList(
-            stage.to(device) for stage, device in zip(stages, devices, strict=True)
+            to_device(stage, device) for stage, device in zip(stages, devices, strict=True)
         )
         self.devices = devices
         self.chunks = chunks

@@ -17,7 +17,8 @@ refused one says why, under the table).
 - `ladder` — one `LadderRow` per rung of `+experiment=speedups`: gain over the last, over fp32.
 - `diagnose` — one `DiagnosisRow` per run: its step time's shares, its bound, the next override.
 - `memory` — one row per run of `+experiment=memory_vs_speed`: speed, memory per device, the
-  largest batch that fit; `memory_vs_speed.png`.
+  largest batch that fit; `memory_vs_speed.png`; one `LeverRow` per memory lever a run pulled
+  (fsdp, activation checkpointing, cpu_offload): memory saved against speed lost.
 - `pareto` — the Pareto front of a sweep with two objectives (`objective=[a,b]`): the trials no
   other beats on both, a table and `pareto.png` (every trial, the front marked).
 - `formats` — CSV, JSON, markdown and rich tables of any of them (the rich ones at a glance in

@@ -16,7 +16,9 @@ With `--diagnose` the command reports where each run's step time went instead: t
 table (stdout, diagnosis.csv/.md) and the stacked bars of time_breakdown.png; the comparison's
 files are left as they are, and no baseline is needed. With `--memory`, likewise, each run's
 speed against its memory per device (`accelexp.report.memory`): the memory table (stdout,
-memory.csv/.md) and memory_vs_speed.png.
+memory.csv/.md) and memory_vs_speed.png; when a run pulled a memory lever (fsdp, activation
+checkpointing, cpu_offload), the lever table follows it as the ladder does (memory_levers.csv,
+`{"runs": [...], "levers": [...]}` in JSON).
 """
 
 from __future__ import annotations
@@ -57,7 +59,18 @@ from accelexp.report.formats import (
 )
 from accelexp.report.html import write_html
 from accelexp.report.ladder import LadderRow, ladder, ladder_subject
-from accelexp.report.memory import MEMORY, MEMORY_PLOT, MemoryRow, memory_rows, write_memory_report
+from accelexp.report.memory import (
+    LEVERS_HEADING,
+    LEVERS_TABLE,
+    MEMORY,
+    MEMORY_PLOT,
+    LeverRow,
+    MemoryRow,
+    levers,
+    memory_markdown,
+    memory_rows,
+    write_memory_report,
+)
 from accelexp.report.pareto import PARETO_PLOT, Front, front_markdown, notes, pareto, write_front
 from accelexp.report.plots import LADDER_PLOT, PLOT_NAMES, TIME_PLOT, write_plots, write_time_plot
 from accelexp.tracking import credentials, query
@@ -267,21 +280,32 @@ def _print_diagnosis(rows: Sequence[DiagnosisRow], title: str, fmt: str) -> None
         sys.stdout.write(diagnosis_markdown(rows))
 
 
-def _print_memory(rows: Sequence[MemoryRow], title: str, fmt: str) -> None:
-    """The memory table in the format asked for; a rich table folds to BRIEF_WIDTH."""
+def _print_memory(
+    rows: Sequence[MemoryRow], title: str, fmt: str, lever_rows: Sequence[LeverRow] = ()
+) -> None:
+    """The memory table, then the levers' when a run pulled one, in the format asked for; rich
+    tables fold to BRIEF_WIDTH."""
     if fmt == "table":
         from rich.console import Console
 
         console = Console()
         if not console.is_terminal:
             console = Console(width=BRIEF_WIDTH)
-        console.print(render_table(rows, title, MEMORY), width=min(console.width, BRIEF_WIDTH))
+        tables = [render_table(rows, title, MEMORY)]
+        if lever_rows:
+            tables.append(render_table(lever_rows, LEVERS_HEADING.lstrip("# "), LEVERS_TABLE))
+        for table in tables:
+            console.print(table, width=min(console.width, BRIEF_WIDTH))
+    elif fmt == "json" and lever_rows:
+        document = {"runs": to_records(rows), "levers": to_records(lever_rows)}
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
     elif fmt == "json":
         sys.stdout.write(to_json(rows))
     elif fmt == "csv":
         sys.stdout.write(to_csv(rows, MEMORY))
+        sys.stdout.write(f"\n{to_csv(lever_rows, LEVERS_TABLE)}" if lever_rows else "")
     else:
-        sys.stdout.write(to_markdown(rows, MEMORY))
+        sys.stdout.write(memory_markdown(rows, lever_rows))
 
 
 def _tell_written(written: Sequence[Path], out_dir: Path, plots: Sequence[str]) -> None:
@@ -332,10 +356,10 @@ def _diagnosis(
 
 def _memory(args: argparse.Namespace, title: str, records: list[RunRecord], out_dir: Path) -> None:
     """Speed against memory per device: computed and written, then printed."""
-    rows = memory_rows(records)
-    written = write_memory_report(rows, out_dir, plots=not args.no_plots)
+    rows, lever_rows = memory_rows(records), levers(records)
+    written = write_memory_report(rows, out_dir, plots=not args.no_plots, lever_rows=lever_rows)
 
-    _print_memory(rows, f"Memory vs speed: {title}", args.format)
+    _print_memory(rows, f"Memory vs speed: {title}", args.format, lever_rows)
     _tell_written(written, out_dir, [] if args.no_plots else [MEMORY_PLOT])
 
 

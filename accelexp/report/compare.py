@@ -37,7 +37,7 @@ host, or alive here: the query failed this host's runs whose process is gone) sa
 note, as does a run failed that way (`status_note`).
 
 Pure: records in, rows out. A run from before a setting existed reads as that setting's default
-(`SETTING_DEFAULTS`: no `speed` tag is `eager`).
+(`SETTING_DEFAULTS`: no `speed` tag is `eager`, no `activation_checkpointing` tag `none`).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from accelexp.config.identity import ignored_for_speed
 from accelexp.errors import AccelexpError
 from accelexp.parallel import STRATEGIES
 from accelexp.record import (
+    ACTIVATION_CHECKPOINTING,
     BEST_VAL_ACC,
     COMPILE_S,
     CONFIG_ID,
@@ -92,9 +93,10 @@ DEFAULT_BASELINE = "world_size=1,precision=fp32"
 BASELINE_KEYS = (WORLD_SIZE, PRECISION, PARALLELISM, MODEL, DATA, SPEED)
 CONFIG_KEYS = (PARALLELISM, WORLD_SIZE, PRECISION, SPEED, MODEL, DATA)  # a run's name
 PARALLELISM_ORDER = tuple(STRATEGIES)  # single, dp, ddp, horovod, fsdp, model, hybrid
-PRECISION_ORDER = ("fp32", "amp", "bf16")
+PRECISION_ORDER = ("fp32", "amp", "bf16", "bf16_true", "fp8")
 SPEED_ORDER = ("eager",)  # then the others alphabetically
-SETTING_DEFAULTS = {SPEED: "eager"}  # what runs logged before the setting existed had
+# what runs logged before the setting existed had
+SETTING_DEFAULTS = {SPEED: "eager", ACTIVATION_CHECKPOINTING: "none"}
 MIN_STEADY_STEPS = 10  # timed steps a throughput needs, over the epochs it uses (module doc)
 
 # --- what "like for like" compares --------------------------------------------------------------

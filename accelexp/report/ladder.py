@@ -1,10 +1,13 @@
 """The speed-up ladder: one row per rung of `+experiment=speedups`, each rung's gain over the last.
 
-The study's rungs are cumulative — 0 fp32 → 1 tf32 → 2 channels_last → 3 amp → 4 bf16 → 5 compile —
-and its runs carry the tags `rung` and `rung_index`. Per rung the newest FINISHED run counts (the
-newest run of any status when none finished). A rung that failed, did not finish or has no run at
-all is a row with blank figures and its status; the next rung's gain over the previous one is then
-taken over the last rung that was measured (`previous_rung` names it).
+The study's rungs are cumulative — 0 fp32 → 1 tf32 → 2 channels_last → 3 amp → 4 bf16 → 5 compile
+→ 6 bf16_true (bf16 weights and optimizer state, compiled) — and its runs carry the tags `rung`
+and `rung_index`. Rung 7, activation_checkpointing (rung 6 with every block checkpointed), is off
+the default ladder (it needs a model with blocks) and is a memory lever, not a speed-up: its gain
+over rung 6 is below 1, what it buys is in its `peak_mem_mb`. Per rung the newest FINISHED run
+counts (the newest run of any status when none finished). A rung that failed, did not finish or
+has no run at all is a row with blank figures and its status; the next rung's gain over the
+previous one is then taken over the last rung that was measured (`previous_rung` names it).
 
 Throughput is `compare.measure` — the same steady-state figure as the main table, blank with a
 note when a rung's run is too short to measure — so the ladder and the main table agree. Gains are
@@ -46,7 +49,11 @@ from accelexp.report.compare import (
 from accelexp.stats import Estimate
 from accelexp.tracking.query import RunRecord
 
-RUNG_NAMES = ("fp32", "tf32", "channels_last", "amp", "bf16", "compile")  # conf/rung, in order
+# conf/rung, in order
+RUNG_NAMES = (
+    "fp32", "tf32", "channels_last", "amp", "bf16", "compile", "bf16_true",
+    "activation_checkpointing",
+)  # fmt: skip
 MISSING = "MISSING"  # the status of a rung with no run
 LADDER_VARIES = re.compile(r"(precision|speed)(\..+)?")  # what the rungs change
 

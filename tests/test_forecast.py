@@ -1,0 +1,56 @@
+"""The memory forecast (`estimate=true`, accelexp/forecast.py) before launch, at a tiny size.
+
+Against real measurements: the step peak measured in this process (tests/test_activation_
+checkpoint.py's, with and without checkpointing) and in the memory study's real 2-worker runs
+(tests/test_memory_study.py). Here: what `estimate=true` prints and that it trains nothing, the
+largest batch, and a world of 2 forecast in this one process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import TINY_VIT, compose_config, run_here
+from mlflow import MlflowClient
+
+from accelexp.forecast import forecast, largest_batch
+from accelexp.record import STEP_PEAK_MB, step_peak_kind_mb
+
+
+def test_estimate_prints_the_forecast_and_trains_nothing(capfd, tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    result = run_here(
+        capfd, "estimate=true", *TINY_VIT, "data=synthetic", "data.image_size=16",
+        f"mlflow.tracking_uri={uri}", tmp_path=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Memory forecast of one training step" in result.stdout
+    assert "cpu: peak " in result.stdout and "activations" in result.stdout
+    assert "give the device's memory, e.g. max_batch.device_mem_gb=80" in result.stdout
+    assert not MlflowClient(uri).search_experiments(filter_string="name = 'accelexp'")
+
+
+def test_the_largest_batch_is_the_last_that_fits(tracking_uri: str) -> None:
+    cfg = compose_config(tracking_uri, *TINY_VIT, "data.batch_size=8")
+    first = forecast(cfg)
+    memory = first.peak_mb * 3  # room for a few times the batch
+    batch, at = largest_batch(cfg, memory, first)
+    assert batch > first.batch and at.peak_mb <= memory < forecast(cfg, batch + 1).peak_mb
+
+
+def test_fsdp_workers_hold_a_share_of_the_state_and_ddp_workers_a_bucket_more(tracking_uri):
+    """Forecast in this one process: FSDP in a fake world of 2 holds half of what one process
+    holds of the optimizer state (each shard padded to the world: a little more); a DDP worker
+    holds one more copy of the gradients, its buckets."""
+
+    def peaks(*parallelism: str) -> dict[str, float]:
+        cfg = compose_config(tracking_uri, *TINY_VIT, "optimizer=adamw", *parallelism)
+        return forecast(cfg).peaks["cpu"]
+
+    single = peaks()
+    fsdp = peaks("parallelism=fsdp", "parallelism.nprocs=2")
+    ddp = peaks("parallelism=ddp", "parallelism.nprocs=2")
+    opt, sync = step_peak_kind_mb("opt"), step_peak_kind_mb("sync")
+    assert single[opt] / 2 <= fsdp[opt] < 0.55 * single[opt]
+    assert fsdp[STEP_PEAK_MB] < single[STEP_PEAK_MB] < ddp[STEP_PEAK_MB]
+    assert abs(ddp[sync] - single[step_peak_kind_mb("param")]) < 1e-6
