@@ -179,8 +179,9 @@ def test_an_override_autotune_rejected_is_not_offered_again_on_that_setting(
     uri = new_store(tmp_path, mlflow_template_db)
 
     def verdict_of_a_run(folder: str) -> tuple[dict[str, str], str]:
-        """(the tags, the id) of a real run at the tiny size, in `folder`."""
-        args = (*TINY, "epochs=1", f"mlflow.tracking_uri={uri}")
+        """(the tags, the id) of a real run at the tiny size, in `folder`: input-bound on any
+        machine (each batch waits 30 ms), so both runs get the same verdict."""
+        args = (*TINY, "epochs=1", "debug.input_delay_ms=30", f"mlflow.tracking_uri={uri}")
         result = run_here(None, *args, f"hydra.run.dir={tmp_path / folder}")
         assert result.returncode == 0, output_of(result)[-3000:]
         runs = client.search_runs([client.get_experiment_by_name("accelexp").experiment_id])

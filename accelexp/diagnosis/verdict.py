@@ -391,6 +391,7 @@ def memory_advice(batch_size: int, checkpointable: bool = False) -> list[Advice]
     return [
         ("precision=bf16", "half-width activations: about half the memory they take"),
         ("precision=amp", "fp16 activations, with loss scaling"),
+        ("precision=bf16_true", "bf16 weights, gradients and optimizer state: half their memory"),
         (
             f"data.batch_size={max(1, batch_size // 2)} parallelism.accumulate_steps=2",
             "the same samples per optimizer step, half the activations at a time",
