@@ -288,7 +288,8 @@ def test_the_advice_is_the_runs_own(compose_cfg):
     full = facts("cuda", forward=1, backward=2)
     full.peak_mem_mb, full.device_mem_mb = 950.0, 1000.0
     full.config = compose_cfg("parallelism=ddp")  # no reshard_after_forward in ddp's config
-    assert overrides_of(diagnose(full))[2:4] == [
+    assert overrides_of(diagnose(full))[2:5] == [
+        "precision=bf16_true",  # the model's state in bf16: half its memory
         "data.batch_size=32 parallelism.accumulate_steps=2",
         "parallelism=fsdp",
     ]
@@ -309,7 +310,7 @@ def test_a_memory_bound_model_with_blocks_is_offered_activation_checkpointing(co
     full.config = compose_cfg("parallelism=ddp", "model=vit_tiny")
     assert CHECKPOINT not in overrides_of(diagnose(full))  # not known to have blocks
     full.checkpointable = True
-    assert overrides_of(diagnose(full))[2:5] == [
+    assert overrides_of(diagnose(full))[3:6] == [
         "data.batch_size=32 parallelism.accumulate_steps=2",
         CHECKPOINT,
         "parallelism=fsdp",
