@@ -37,6 +37,7 @@ def main(cfg: DictConfig) -> float | list[float] | None:
         validate,
     )
     from accelexp.launch import launch  # torch loads after Hydra has parsed the command line
+    from accelexp.lockstep import gate as lockstep_gate
     from accelexp.objective import sweeper_value
     from accelexp.parallel import run_label
     from accelexp.parallel.world import current_world
@@ -58,10 +59,11 @@ def main(cfg: DictConfig) -> float | list[float] | None:
         log.error("%s", error)
         sys.exit(outcome.EXIT_BAD_INPUT)
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
+    in_lockstep = lockstep_gate.in_lockstep()  # a job a lockstep sweep started (run.py, not -m)
     # a reused run folder: the run recorded there is another job's, never this one's to close
     (Path(output_dir) / RUN_ID_FILE).unlink(missing_ok=True)
     try:
-        if not in_sweep:
+        if not (in_sweep or in_lockstep):
             check_one_job_of_a_study(hydra_cfg.sweeper.get("params") or {}, overrides)
             check_repeats_of_one_job(overrides)
         if cfg.estimate:  # the memory forecast, instead of training
@@ -88,12 +90,14 @@ def main(cfg: DictConfig) -> float | list[float] | None:
         )
         first_rank = current_world().rank == 0  # under srun every task runs this function
         stored = not isinstance(error, StoreFullError)  # a full store takes no failure either
-        if first_rank and stored and (in_sweep or (Path(output_dir) / RUN_ID_FILE).is_file()):
+        recorded = in_sweep or in_lockstep or (Path(output_dir) / RUN_ID_FILE).is_file()
+        if first_rank and stored and recorded:
             tags = run_tags(cfg, cfg.parallelism.nprocs, overrides)
             label = None if isinstance(error, ConfigError) else run_label(cfg.parallelism)
             record_failure(cfg, output_dir, traceback.format_exc(), tags, overrides, label)
         if in_sweep:
             return None  # the sweep goes on; its parent run ends FAILED and says which job
+        # a lockstep job exits non-zero: its sweeper says which job failed, the others go on
         if ours:
             sys.exit(outcome.EXIT_BAD_INPUT)
         raise

@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 
 LAST, BEST, PREVIOUS = "last.pt", "best.pt", "previous.pt"
 # restarts of one job: torchrun's restarts of its workers, Slurm's requeues of a job
-RESTART_ENV = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+# and a lockstep job's fresh process after its epochs (accelexp.lockstep.gate.INCARNATION_ENV)
+RESTART_ENV = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "ACCELEXP_INCARNATION")
 
 
 @dataclass

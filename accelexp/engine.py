@@ -33,7 +33,7 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -42,8 +42,9 @@ from tqdm import tqdm
 
 from accelexp import stats
 from accelexp.data import BatchLoader
-from accelexp.diagnosis.noise import ContentionProbe, NoiseSample
+from accelexp.diagnosis.noise import ContentionProbe, NoiseSample, judge
 from accelexp.errors import AccelexpError
+from accelexp.lockstep.gate import Gate, NoGate
 from accelexp.parallel.base import Strategy
 from accelexp.precision import Precision
 from accelexp.stats import Estimate
@@ -88,6 +89,22 @@ def throughput(epochs: Sequence[EpochResult]) -> Estimate:
     if not estimate.has_interval:
         return stats.Estimate(measured, n=len(steps))
     return estimate.scaled(measured / estimate.value)
+
+
+@dataclass
+class Slice:
+    """One lockstep turn's training steps (`accelexp.lockstep`): all of them timed, none a
+    warm-up step; `samples` over all replicas, `seconds` this rank's, device synchronised."""
+
+    round: int
+    epoch: int
+    samples: int
+    seconds: float
+    contended: bool = False  # the machine was shared during it (`accelexp.diagnosis.noise`)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.seconds
 
 
 class TrainingDivergedError(AccelexpError):
@@ -173,6 +190,9 @@ class Trainer:
         self.profiler = None  # a StepProfiler (profile=true), stepped after each step
         # what shows a shared machine, sampled over each epoch's timed steps
         self.probe = ContentionProbe(self.device, torch.get_num_threads())
+        self.gate: Gate = NoGate()  # lockstep: passed before each slice of steps
+        self.slices: list[Slice] = []  # lockstep: the timed slices trained, all epochs
+        self.step_times: list[float] = []  # lockstep: when each step ended (time.monotonic)
 
     def batches_per_epoch(self, loader: BatchLoader) -> int:
         return batches_per_epoch(len(loader), self.max_steps)
@@ -202,14 +222,17 @@ class Trainer:
             mininterval=0.5,
         )
         clock, profiler, probe = self.clock, self.profiler, self.probe
+        turns = _Turns(self, epoch, warmup) if self.gate.slice_steps else None
         synchronize(self.device)
         start = last_line = time.perf_counter()
         clock.start()
         if not warmup:  # else it starts with the timed steps
             probe.start()
-        for step, (images, labels) in enumerate(loader):
-            if step == steps:
-                break
+        batches = iter(loader)
+        for step in range(steps):
+            if turns is not None:  # the turn is taken before the batch is made
+                turns.at(step, seen)
+            images, labels = next(batches)
             clock.mark(INPUT)
             loss, logits = train_step(
                 self.model, images, labels, self.optimizer, self.precision, self.strategy,
@@ -226,7 +249,7 @@ class Trainer:
             if timing_starts:  # time the steps from here on
                 synchronize(self.device)
                 now = time.perf_counter()
-                warmup_seconds, start, timed_from = now - start, now, seen
+                warmup_seconds, start, timed_from = now - start - clock.excluded, now, seen
                 self.strategy.sync.take_comm_time()  # the warm-up steps' communication is not timed
             elif self.progress and figures_due(step + 1, self.log_every):
                 now = time.perf_counter()
@@ -245,11 +268,15 @@ class Trainer:
                         "  ".join(f"{k} {v}" for k, v in figures.items()),
                     )  # fmt: skip
             clock.mark(OTHER)
+            if turns is not None:
+                self.step_times.append(time.monotonic())
             if timing_starts:
                 clock.start()
                 probe.start()
         synchronize(self.device)
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start - clock.excluded
+        if turns is not None:  # the last slice; the turn is kept for evaluation and logging
+            turns.at(steps, seen, last=True)
         breakdown = clock.stop(self.strategy.sync.take_comm_time())
         step_seconds = clock.step_seconds()
         noise = self._worst_over_ranks(probe.stop(step_seconds))
@@ -315,3 +342,48 @@ class Trainer:
         bar.close()
         total_loss, total_correct, total_seen = self._sum_over_ranks(loss_sum, correct, seen)
         return total_loss / total_seen, total_correct / total_seen
+
+
+class _Turns:
+    """One epoch's lockstep slices: the gate passed every `gate.slice_steps` steps, the time
+    spent waiting taken out of the epoch's clock and contention probe, each whole slice of
+    timed steps recorded (`Trainer.slices`) with its own verdict: did a neighbour on this host
+    take CPU during it (`accelexp.diagnosis.noise`)."""
+
+    def __init__(self, trainer: Trainer, epoch: int, warmup: int) -> None:
+        self.trainer, self.epoch, self.warmup = trainer, epoch, warmup
+        self.every = trainer.gate.slice_steps or 0
+        self.threads = torch.get_num_threads()
+        self.probe = ContentionProbe(trainer.device, self.threads)
+        self.open: tuple[int, int, int, float] | None = None  # round, first step, seen, start
+
+    def at(self, step: int, seen: int, last: bool = False) -> None:
+        """Before `step` (or after the epoch's `last`): close the slice that ran, take a turn."""
+        if not last and step % self.every:
+            return
+        trainer = self.trainer
+        synchronize(trainer.device)  # no work of this job queued during another's turn
+        now = time.perf_counter()
+        if self.open is not None:
+            round_, first, seen_then, began = self.open
+            if step - first == self.every and first >= self.warmup:
+                times = trainer.clock.step_seconds()[-self.every :]
+                # a neighbour on this host sets a slice aside; the hypervisor's steal does not:
+                # it drifts over seconds like the host's speed, and the round's pairing takes it
+                # out (and it is in the run's own verdict)
+                local = replace(self.probe.stop(times), steal=None)
+                noise = judge([local], trainer.device.type, self.threads)
+                samples = (seen - seen_then) * trainer.strategy.shape.replicas
+                trainer.slices.append(
+                    Slice(round_, self.epoch, samples, now - began, noise.contended)
+                )
+            self.open = None
+        if last:
+            return
+        trainer.clock.pause()
+        trainer.probe.pause()
+        round_ = trainer.gate.turn()
+        trainer.clock.resume()
+        trainer.probe.resume()
+        self.probe.start()
+        self.open = (round_, step, seen, time.perf_counter())

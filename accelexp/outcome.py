@@ -43,6 +43,9 @@ from accelexp.tracking.runs import FAILED, FINISHED, KILLED
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
+# a lockstep job's process that hands its run on to a fresh one (`accelexp.lockstep.gate`):
+# never seen outside, the process is replaced (exec), unless that fails
+EXIT_REINCARNATE = 75
 
 __all__ = [
     "EXIT_BAD_INPUT", "EXIT_FAILED", "EXIT_OK", "FAILED", "FINISHED", "KILLED", "SweepState",
@@ -60,7 +63,8 @@ def exit_now(code: int) -> NoReturn:
     that succeeded: torchrun then fails the job (pytorch/pytorch#179291). So, in the order of
     Python's own exit: wait for the threads that are not daemons, collect the garbage (a DDP
     model, its reducer and their futures) while the interpreter is whole, run the exit handlers
-    (MLflow's, logging's), flush the streams; then leave without the C++ teardown.
+    (MLflow's, logging's), flush the streams; then leave without the C++ teardown — or, for
+    `EXIT_REINCARNATE`, become this process again, fresh (`accelexp.lockstep.gate.reincarnate`).
     """
     try:
         threading._shutdown()  # what Python's exit does first: join the non-daemon threads
@@ -70,6 +74,10 @@ def exit_now(code: int) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
+        if code == EXIT_REINCARNATE:
+            from accelexp.lockstep.gate import reincarnate
+
+            reincarnate()  # returns only if exec failed
         os._exit(code)
 
 

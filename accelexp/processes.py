@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 JOB_ENV = "ACCELEXP_JOB"
+PR_SET_PDEATHSIG = 1  # prctl(2)
 GRACE_S = 20.0  # for workers to close their run after SIGTERM, before SIGKILL
 # how far two readings of one process's start time may differ (the kernel counts in 1/100 s)
 START_TOLERANCE_S = 1.0
@@ -133,3 +134,12 @@ def kill_job(token: str) -> None:
             return
         _signal(left, signal.SIGKILL)
         time.sleep(0.1)
+
+
+def die_with_parent() -> None:
+    """In a child (`preexec_fn`), before it starts: SIGTERM it if this process dies, even by
+    SIGKILL."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -129,6 +129,23 @@ MODEL = "model"
 DATA = "data"
 REPEAT_INDEX = "repeat_index"  # which of the sweep's `repeats` this run is
 REPEATS = "repeats"
+# how the sweep paired this run with the others (accelexp.lockstep): repeats | lockstep
+COMPARE = "compare"
+COMPARE_LOCKSTEP = "lockstep"
+COMPARE_REPEATS = "repeats"
+# a lockstep run's slices, step = the round: samples/s of each steady slice (each epoch's
+# warm-up rounds left out), whether a neighbour shared the machine during it (1) or not (0), and
+# which of the job's processes ran it (0, 1, ...: lockstep.epochs_per_process)
+LOCKSTEP_SAMPLES_PER_S = "lockstep/samples_per_s"
+LOCKSTEP_CONTENDED = "lockstep/contended"
+LOCKSTEP_INCARNATION = "lockstep/incarnation"
+
+
+def lockstep_file(rank: int) -> str:
+    """In the job's folder: a rank's lockstep turns and step ends (the host's monotonic clock)."""
+    return f"lockstep.rank{rank}.json"
+
+
 OVERRIDES = "overrides"  # the command line's, credentials redacted
 PLACEMENT = "placement"  # where a replica's layers live (the strategy's first part)
 SYNC = "sync"  # how replicas agree (its second part)

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable
 
 from accelexp import outcome, signals
+from accelexp.lockstep.gate import Reincarnation
 
 
 def run_main(main: Callable[[], object]) -> int:
@@ -37,6 +38,8 @@ def run_main(main: Callable[[], object]) -> int:
     with outcome.sweep_state() as sweep:
         try:
             main()
+        except Reincarnation:  # a lockstep job's run goes on in a fresh process
+            return outcome.EXIT_REINCARNATE
         except KeyboardInterrupt as error:
             sweep.abort(outcome.KILLED)
             print(f"Stopped by {signals.interruption(error).name}.", file=sys.stderr)

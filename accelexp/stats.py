@@ -39,6 +39,12 @@ Methods, by question:
     interval, or the `across_repeats` interval of a side with ≥ 2 runs (a t interval, so this
     errs wide) — and the two add in quadrature: log value ± z · √(se_num² + se_den²). A side
     with no interval (or one reaching zero) leaves the ratio without one.
+- **Ratio in lockstep** (`lockstep_ratio`: jobs that took turns, `accelexp.lockstep`): per
+  incarnation (a fresh set of processes, one per configuration) the mean of the log ratios of
+  its paired slices, round by round (the drift a round's slices share cancels); across
+  incarnations the t interval of those means, exp back — a process's own lifelong bias differs
+  between incarnations and so is inside it. One incarnation: the batch-means interval of its
+  rounds' log ratios, its method saying that a process's own bias is not in it.
 - **Efficiency** (`efficiency`): a speedup divided by the ratio of workers, bounds too.
 - **Accuracy over seeds** (`mean_sd`): mean and sample standard deviation (ddof 1); spread, not
   an interval, because seeds vary the result itself, not our measurement of it.
@@ -282,6 +288,49 @@ def ratio(
     if a.size >= 2 and b.size >= 2:
         return _bootstrap_ratio(a, b, confidence, seed)
     return _delta_ratio(num, den, float(a.mean() / b.mean()), confidence)
+
+
+def lockstep_ratio(
+    incarnations: Sequence[Sequence[tuple[float, float]]], confidence: float = CONFIDENCE
+) -> Estimate:
+    """Ratio of two configurations measured in lockstep (`accelexp.lockstep`): each incarnation
+    (a fresh set of processes) gives its paired slices as (num, den) rates, round by round.
+
+    Within an incarnation the log ratios of its rounds are averaged: the drift the two slices of
+    a round share cancels. Across incarnations the t interval of those means (value and bounds
+    taken back with exp): what a process carries for its whole life (memory placement, where
+    its threads landed) differs between incarnations, so it is inside this interval. With one
+    incarnation, the batch-means interval of its rounds, whose `method` says that a process's own
+    bias is not in it. Incarnations without a pair are left out."""
+    means, rounds = [], 0
+    series = []
+    for pairs in incarnations:
+        if not pairs:
+            continue
+        num, den = _array([p[0] for p in pairs], "lockstep"), _array([p[1] for p in pairs], "")
+        logs = np.log(num / den)
+        means.append(float(logs.mean()))
+        series.append(logs)
+        rounds += logs.size
+    if not means:
+        raise ValueError("lockstep_ratio needs at least one paired round")
+    if len(means) >= 2:
+        sample = np.asarray(means)
+        centre, half = float(sample.mean()), _t_halfwidth(sample, confidence)
+        method = f"lockstep: t over {len(means)} incarnations ({rounds} rounds)"
+        return Estimate(
+            math.exp(centre), math.exp(centre - half), math.exp(centre + half), rounds, method
+        )
+    within = batch_means(series[0], confidence)
+    if not within.has_interval:
+        return Estimate(math.exp(within.value), n=rounds)
+    return Estimate(
+        math.exp(within.value),
+        math.exp(within.low),
+        math.exp(within.high),
+        rounds,
+        f"lockstep: 1 incarnation, {rounds} rounds (a process's own bias not in the interval)",
+    )
 
 
 def efficiency(speedup: Estimate, workers_ratio: float) -> Estimate:

@@ -150,6 +150,8 @@ class StepClock:
         self.seconds = [0.0] * len(PHASES)
         self.last = 0.0
         self.step_ends: list[float] = []  # when each timed step's last phase (OTHER) ended
+        self.excluded = 0.0
+        self._paused_at: float | None = None
         self.gpu = _GpuMarks(device) if device.type == "cuda" else None
 
     def start(self) -> None:
@@ -157,16 +159,29 @@ class StepClock:
         self.seconds = [0.0] * len(PHASES)
         self.last = time.perf_counter()
         self.step_ends = [self.last]
+        self.excluded = 0.0  # seconds paused (another job's lockstep turn): no phase's
+        self._paused_at: float | None = None
         if self.gpu is not None:
             self.gpu.begin(self.last)
+
+    def pause(self) -> None:
+        """From now until `resume` the clock stands still (the job waits for its turn)."""
+        self._paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        assert self._paused_at is not None, "resume() without pause()"
+        gap = time.perf_counter() - self._paused_at
+        self.last += gap
+        self.excluded += gap
+        self._paused_at = None
 
     def mark(self, phase: int) -> None:
         """The `phase` of this step ends now."""
         now = time.perf_counter()
         self.seconds[phase] += now - self.last
         self.last = now
-        if phase == OTHER:
-            self.step_ends.append(now)
+        if phase == OTHER:  # on the clock that stood still while paused
+            self.step_ends.append(now - self.excluded)
         if self.gpu is not None:
             self.gpu.mark(now)
 
@@ -191,6 +206,6 @@ class StepClock:
                 breakdown.comm += moved
             breakdown.comm_inflight = comm.inflight
         if self.gpu is not None and self.gpu.used > 1:
-            wall = now - self.gpu.host[0]
+            wall = now - self.gpu.host[0] - self.excluded
             breakdown.gpu_busy = min(1.0, self.gpu.busy_seconds() / wall)
         return breakdown

@@ -42,10 +42,12 @@ from accelexp.engine import (
     throughput,
 )
 from accelexp.errors import AccelexpError
+from accelexp.lockstep import gate as lockstep_gate
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
 from accelexp.parallel import connect, run_label
 from accelexp.parallel.base import Strategy
+from accelexp.parallel.world import current_world
 from accelexp.precision import Precision
 from accelexp.speed import SpeedSwitches, has_conv2d
 from accelexp.tracking import Tracker
@@ -154,14 +156,26 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = ()) 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     strategy, precision = connect(cfg)
+    # compare=lockstep: the turns this job takes (a job of any other sweep passes no gate)
+    gate = lockstep_gate.from_environment(
+        strategy.shape.rank,
+        strategy.shape.world_size,
+        cfg.lockstep.slice_steps,
+        cfg.lockstep.epochs_per_process,
+        launched=current_world().joined,
+    )
     try:
-        return _run(cfg, output_dir, overrides, strategy, precision)
+        return _run(cfg, output_dir, overrides, strategy, precision, gate)
+    except lockstep_gate.Reincarnation:
+        gate.close(again=True)  # the same job, back in a moment as a fresh process
+        raise
     except BaseException as error:
         # when it failed, before the teardown below makes the other ranks fail in turn: the
         # launcher names the earliest failure as the cause (accelexp.worker, launch)
         error.failed_at_ns = time.time_ns()
         raise
     finally:
+        gate.close()  # the turn is handed on once the run is closed, whatever its end
         strategy.teardown()
 
 
@@ -171,6 +185,7 @@ def _run(
     overrides: Sequence[str],
     strategy: Strategy,
     precision: Precision,
+    gate: lockstep_gate.Gate,
 ) -> dict[str, float]:
     tracker = Tracker(cfg.mlflow, enabled=strategy.shape.is_main)
     tracker.connect()  # fail now, not after training, when the store is unreachable
@@ -220,6 +235,8 @@ def _run(
         cfg.progress,
         warmup_steps=switches.warmup_steps,
     )
+    trainer.gate = gate  # its turns and the steps' ends are kept in the job's folder
+    gate.keep_record(output_dir / record.lockstep_file(strategy.shape.rank), trainer.step_times)
     profiler = StepProfiler(cfg, output_dir, strategy.shape.rank, strategy.device)
     trainer.profiler = profiler if profiler.enabled else None
     in_effect = {
@@ -271,6 +288,7 @@ def _run(
             record.CONFIG_ID: config_id(resolved),
             record.SETTING_ID: setting_id(resolved),
             record.OUTPUT_DIR: str(output_dir.resolve()),
+            record.COMPARE: record.COMPARE_LOCKSTEP if gate.slice_steps else record.COMPARE_REPEATS,
         }
         tracker.start(name, params, tags)
         tracker.log_dataset(cfg.data.name, dataset_identity(cfg, data), dataset_source(cfg.data))
@@ -301,6 +319,8 @@ def _run(
             switches.memory_format,
         )  # fmt: skip
         max_batch.after_training(cfg, trial, tracker)
+    except lockstep_gate.Reincarnation:  # the run goes on in the next process: still RUNNING
+        raise
     except BaseException as error:  # KILLED by a signal or submitit's requeue, else FAILED
         tracker.end(outcome.status_of(error))
         raise
@@ -375,6 +395,7 @@ class Fit:
         self.strategy = trainer.strategy
         self.generator, self.resolved = generator, resolved
         self.checkpoints = output_dir / "checkpoints"
+        self.output_dir = output_dir
 
     def __call__(self, loaders: Loaders, progress: checkpoint.Progress) -> dict[str, float]:
         try:
@@ -421,6 +442,7 @@ class Fit:
                 ),
             }
             self.tracker.log_metrics(metrics, step=epoch)
+            self.log_slices(epoch)
             check_diverged(train, epoch, trainer.precision, lr)
             progress.epoch, progress.elapsed_s = epoch, elapsed
             if val_acc > progress.best_val_acc:
@@ -437,7 +459,29 @@ class Fit:
                     epoch, cfg.epochs, train.loss, train.accuracy, val_loss, val_acc,
                     train.samples_per_s, train.seconds,
                 )  # fmt: skip
+            renew = trainer.gate.epochs_per_process  # lockstep: a fresh process goes on
+            if renew and len(trained) >= renew and epoch < cfg.epochs:
+                raise lockstep_gate.Reincarnation(epoch)
         return self.test(loaders.test, progress, time.perf_counter() - run_start, trained)
+
+    def log_slices(self, epoch: int) -> None:
+        """Lockstep: the epoch's steady slices, by round (`record.LOCKSTEP_SAMPLES_PER_S`), with
+        the process they ran in (`record.LOCKSTEP_INCARNATION`): its first
+        `lockstep.warmup_rounds` slices are left out (and the untimed warm-up steps of a
+        process's first epoch are in none)."""
+        trainer = self.trainer
+        if not trainer.gate.slice_steps:
+            return
+        steady = [s for s in trainer.slices if s.epoch == epoch]
+        steady = steady[self.cfg.lockstep.warmup_rounds :]
+        incarnation = float(trainer.gate.incarnation)
+        self.tracker.log_series(
+            {
+                record.LOCKSTEP_SAMPLES_PER_S: {s.round: s.samples_per_s for s in steady},
+                record.LOCKSTEP_CONTENDED: {s.round: float(s.contended) for s in steady},
+                record.LOCKSTEP_INCARNATION: {s.round: incarnation for s in steady},
+            }
+        )
 
     def save_best(self, epoch: int, val_acc: float) -> None:
         """The whole model's weights; every rank takes part (FSDP gathers its shards)."""

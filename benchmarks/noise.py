@@ -65,6 +65,7 @@ import psutil
 from accelexp import stats
 from accelexp.processes import JOB_ENV
 from accelexp.record import (
+    LOCKSTEP_CONTENDED,
     NOISE,
     NOISE_CONTENDED,
     NOISE_EVIDENCE,
@@ -72,7 +73,7 @@ from accelexp.record import (
     REPEAT_INDEX,
     noise_metric,
 )
-from accelexp.report.compare import measure_estimate
+from accelexp.report.compare import lockstep_pairs, measure_estimate
 from accelexp.stats import Estimate
 from accelexp.tracking import query
 from accelexp.tracking.query import RunRecord
@@ -475,6 +476,150 @@ def report(condition: str, sweep: Sweep, runs: list[Run]) -> list[tuple[str, boo
     return goals
 
 
+# --- the two designs side by side: whole-run repeats and lockstep (--designs) --------------
+
+
+@dataclass
+class DesignTrial:
+    """One A/A sweep of one design: its ratio b / a, cost, and (lockstep) slices set aside."""
+
+    design: str
+    trial: int
+    estimate: Estimate | None
+    wall_s: float
+    cpu_s: float
+    rounds: int = 0  # lockstep: paired rounds behind the ratio
+    set_aside: int = 0  # lockstep: slices a neighbour shared; repeats: runs flagged contended
+    hogged: bool = False
+    incarnations: list[Estimate] = field(default_factory=list)  # lockstep: each alone
+
+
+def flagged(record: RunRecord) -> bool:
+    return record.tags.get(NOISE) == NOISE_CONTENDED
+
+
+def design_command(args: argparse.Namespace, store: Path, design: str, name: str) -> list[str]:
+    return [
+        sys.executable, "run.py", "-m", "+mlflow.tags.side=a,b", f"compare={design}",
+        f"repeats={args.repeats}", f"epochs={args.epochs}", f"max_steps_per_epoch={args.steps}",
+        f"threads={args.threads}", f"lockstep.slice_steps={args.slice_steps}",
+        "target_accuracy=null", "progress=false", f"mlflow.tracking_uri={uri(store)}",
+        f"mlflow.experiment={name}", f"hydra.sweep.dir={store / name}",
+    ]  # fmt: skip
+
+
+def run_design(args: argparse.Namespace, store: Path, design: str, trial: int, hog: bool):
+    """One sweep of `design`, with a one-core hog from `--hog-after` s for `--hog-for` s when
+    `hog`; its A/A ratio computed as the report computes it."""
+    name = f"{design}-{trial}"
+    command = design_command(args, store, design, name)
+    print(f"  [{name}{' + hog' if hog else ''}] {' '.join(command[3:-3])}", flush=True)
+    started = time.perf_counter()
+    hogs: Hog | None = None
+    with (store / f"{name}.log").open("w") as out:
+        sweep = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        while True:
+            pid, status, usage = os.wait4(sweep.pid, os.WNOHANG)
+            if pid != 0:
+                break
+            now = time.perf_counter() - started
+            if hog and hogs is None and now >= args.hog_after:
+                hogs = Hog.start(args.hog_cores, min(args.hog_for, args.hog_deadline))
+            if hogs is not None and now >= args.hog_after + args.hog_for:
+                hogs.stop()
+            time.sleep(POLL_S)
+    finally:
+        if hogs is not None:
+            hogs.stop()
+        if sweep.poll() is None:
+            sweep.send_signal(signal.SIGINT)
+            sweep.wait()
+    wall = time.perf_counter() - started
+    if os.waitstatus_to_exitcode(status) != 0:
+        print(f"    the sweep exited {os.waitstatus_to_exitcode(status)}: {store / name}.log")
+    records = query.experiment_runs(uri(store), query.experiment_id(uri(store), name))
+    by = {(r.tags.get("side"), r.tags.get(REPEAT_INDEX)): r for r in records}
+    result = DesignTrial(design, trial, None, wall, cpu_seconds(usage), hogged=hog)
+    repeats = sorted({i for _, i in by if all((side, i) in by for side in SIDES)})
+    if design == "lockstep":
+        incarnations = []
+        for i in repeats:
+            for pairs in lockstep_pairs(by["b", i], by["a", i]):
+                incarnations.append(pairs)
+                result.incarnations.append(stats.lockstep_ratio([pairs]))
+            result.set_aside += sum(
+                1 for r in (by["a", i], by["b", i]) for _, v in r.history(LOCKSTEP_CONTENDED) if v
+            )
+        result.rounds = sum(len(pairs) for pairs in incarnations)
+        if result.rounds:
+            result.estimate = stats.lockstep_ratio(incarnations)
+    else:
+        pairs = [(by["b", i], by["a", i]) for i in repeats]
+        clean = [(b, a) for b, a in pairs if not flagged(a) and not flagged(b)]
+        result.set_aside = len(pairs) - len(clean)
+        measured = [(measure_estimate(b)[0], measure_estimate(a)[0]) for b, a in clean]
+        measured = [(b, a) for b, a in measured if b is not None and a is not None]
+        if measured:
+            result.estimate = stats.ratio(
+                [b for b, _ in measured], [a for _, a in measured], paired=True
+            )
+    return result
+
+
+def designs(args: argparse.Namespace, store: Path) -> list[tuple[str, bool]]:
+    """`--trials` A/A trials of each design, alternating which goes first, each a sweep of
+    fresh processes at the same size (so at about equal wall time); then the lockstep design
+    `--hogged-trials` times with a one-core hog during part of it."""
+    trials: list[DesignTrial] = []
+    for trial in range(args.trials):
+        order = ("repeats", "lockstep") if trial % 2 == 0 else ("lockstep", "repeats")
+        for design in order:
+            trials.append(run_design(args, store, design, trial, hog=False))
+    for trial in range(args.hogged_trials):
+        trials.append(run_design(args, store, "lockstep", args.trials + trial, hog=True))
+    print(
+        f"\n{'design':<10}{'trial':>6}{'hog':>5}  {'b / a (95 %)':<28}{'±%':>6}{'holds 1':>9}"
+        f"{'rounds':>8}{'aside':>7}{'wall s':>8}{'cpu s':>8}  each incarnation alone"
+    )
+    for t in trials:
+        e = t.estimate
+        text = stats.format_estimate(e, "{:.4f}") if e is not None else "no pairs"
+        half = e.relative_halfwidth() if e is not None and e.has_interval else math.nan
+        alone = " ".join(f"{x.value:.3f}±{100 * (x.relative_halfwidth() or 0):.1f}%"
+                         for x in t.incarnations)  # fmt: skip
+        print(
+            f"{t.design:<10}{t.trial:>6}{'yes' if t.hogged else 'no':>5}  {text:<28}"
+            f"{100 * half:>6.1f}{'yes' if e is not None and e.contains(1.0) else 'NO':>9}"
+            f"{t.rounds:>8}{t.set_aside:>7}{t.wall_s:>8.0f}{t.cpu_s:>8.0f}  {alone}"
+        )
+    goals = []
+    for design in ("repeats", "lockstep"):
+        quiet = [t for t in trials if t.design == design and not t.hogged]
+        halves = [t.estimate.relative_halfwidth() for t in quiet if t.estimate is not None
+                  and t.estimate.has_interval]  # fmt: skip
+        held = sum(1 for t in quiet if t.estimate is not None and t.estimate.contains(1.0))
+        walls = [t.wall_s for t in quiet]
+        cpus = [t.cpu_s for t in quiet]
+        median = statistics.median(halves) if halves else math.nan
+        print(
+            f"{design}: median half-width ±{100 * median:.1f} % over {len(halves)} trials; "
+            f"{held}/{len(quiet)} intervals hold 1.00; median wall {statistics.median(walls):.0f} s"
+            f", CPU {statistics.median(cpus):.0f} s"
+        )
+        if design == "lockstep":
+            goals.append((f"quiet lockstep A/A median half-width ±{100 * median:.1f} %; goal "
+                          f"≤ ±2 %", median <= 0.02))  # fmt: skip
+            goals.append((f"lockstep calibrated: {held}/{len(quiet)} trials hold 1.00",
+                          held == len(quiet) >= 5))  # fmt: skip
+    for t in (t for t in trials if t.hogged):
+        e = t.estimate
+        ok = e is not None and e.contains(1.0) and (e.relative_halfwidth() or 1) <= 0.04
+        goals.append((f"hogged lockstep trial {t.trial}: {describe(e)}, {t.set_aside} slices "
+                      f"set aside; goal holds 1.00 within ±4 %", ok))  # fmt: skip
+    return goals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -486,6 +631,14 @@ def main() -> None:
     parser.add_argument("--only", choices=("quiet", "hogged"))
     parser.add_argument("--order", default="a,b", help="the sides' order in each round")
     parser.add_argument("--keep", action="store_true", help="keep the MLflow store")
+    parser.add_argument(
+        "--designs", action="store_true", help="whole-run repeats vs lockstep, side by side"
+    )
+    parser.add_argument("--trials", type=int, default=5, help="--designs: A/A trials of each")
+    parser.add_argument("--hogged-trials", type=int, default=1, help="--designs: lockstep + hog")
+    parser.add_argument("--slice-steps", type=int, default=8, help="--designs: lockstep turn")
+    parser.add_argument("--hog-after", type=float, default=30.0, help="--designs: s into sweep")
+    parser.add_argument("--hog-for", type=float, default=40.0, help="--designs: hog seconds")
     args = parser.parse_args()
     args.order = args.order.split(",")
     if sorted(args.order) != sorted(SIDES):
@@ -502,6 +655,9 @@ def main() -> None:
     results: dict[str, tuple[Sweep, list[Run]]] = {}
     goals: list[tuple[str, bool]] = []
     try:
+        if args.designs:
+            goals = designs(args, store)
+            conditions = []
         for condition in conditions:
             sweep = run_sweep(args, store, condition)
             results[condition] = sweep, read_runs(store, condition, sweep.jobs)

@@ -382,6 +382,17 @@ class AutotuneConfig:
 
 
 @dataclass
+class LockstepConfig:
+    """`compare=lockstep`: a sweep's configurations as live jobs taking turns (lockstep)."""
+
+    slice_steps: int = key(8, "training steps in one job's turn (a slice)")
+    warmup_rounds: int = key(2, "rounds of each epoch left out of the ratios (caches, allocator)")
+    epochs_per_process: int | None = key(
+        1, "a one-process job goes on in a fresh process after this many epochs; null: never"
+    )
+
+
+@dataclass
 class DebugConfig:
     """Test hooks: a crashed worker, a slow input pipeline, an out-of-memory error, on purpose."""
 
@@ -419,6 +430,18 @@ class Config:
         ("same", "vary"),
     )
     repeat_index: int = key(0, "which repeat this job is (set by the sweeper)", RESULTS)
+    compare: str = key(
+        "repeats",
+        "how a sweep pairs its configurations: whole runs round-robin, or live jobs taking turns",
+        NOTHING,
+        ("repeats", "lockstep"),
+    )
+    precision_target: float | None = key(
+        None,
+        "a sweep adds repeats until each ratio's 95 % half-width is at most this (e.g. 0.02)",
+        NOTHING,
+    )
+    max_repeats: int = key(10, "precision_target's budget: at most this many repeats", NOTHING)
     objective: Any = key(
         objective.DEFAULT,
         "what run.py returns to a sweeper (Optuna), or a list of them",
@@ -449,6 +472,7 @@ class Config:
     profiler: ProfilerConfig = section(ProfilerConfig, "what profile true traces", SPEED)
     max_batch: MaxBatchConfig = section(MaxBatchConfig, "the largest batch that fits", NOTHING)
     autotune: AutotuneConfig = section(AutotuneConfig, "the autotune loop's budget", NOTHING)
+    lockstep: LockstepConfig = section(LockstepConfig, "compare=lockstep's turns", NOTHING)
     debug: DebugConfig = section(DebugConfig, "test hooks", SPEED)
 
 

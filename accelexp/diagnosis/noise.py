@@ -136,10 +136,30 @@ class ContentionProbe:
         self.cpus = os.sched_getaffinity(0) if self.linux else set(range(os.cpu_count() or 1))
         self.gpu = _Gpu(device) if device.type == "cuda" else None
         self._begin: tuple[float, float, float, tuple[float, float, float] | None] | None = None
+        self._paused: tuple[float, float, float, tuple[float, float, float] | None] | None = None
 
     def start(self) -> None:
+        self._begin, self._paused = self._reading(), None
+
+    def pause(self) -> None:
+        """What happens from now until `resume` is not the window's (lockstep: another job's
+        turn, which is that job's CPU, not a neighbour's)."""
+        self._paused = self._reading() if self._begin is not None else None
+
+    def resume(self) -> None:
+        if self._begin is None or self._paused is None:  # not started: nothing to take out
+            return
+        (t0, tree0, job0, host0), now = self._paused, self._reading()
+        t1, tree1, job1, host1 = now
+        b_t, b_tree, b_job, b_host = self._begin
+        if b_host is not None and host0 is not None and host1 is not None:
+            b_host = tuple(b + (z - a) for b, a, z in zip(b_host, host0, host1, strict=True))
+        self._begin = (b_t + t1 - t0, b_tree + tree1 - tree0, b_job + job1 - job0, b_host)
+        self._paused = None
+
+    def _reading(self) -> tuple[float, float, float, tuple[float, float, float] | None]:
         tree_s, job_s, _ = self._cpu()
-        self._begin = (time.perf_counter(), tree_s, job_s, self._host())
+        return time.perf_counter(), tree_s, job_s, self._host()
 
     def stop(self, step_seconds: Sequence[float]) -> NoiseSample:
         assert self._begin is not None, "stop() without start()"

@@ -21,12 +21,10 @@ KILLED), and the launcher gets SIGTERM if this process dies.
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -43,13 +41,11 @@ from accelexp.launch.output import WorkerOutput
 from accelexp.parallel import composition
 from accelexp.parallel.rules import several_workers
 from accelexp.parallel.world import current_world, port_in_use
-from accelexp.processes import JOB_ENV, kill_job, new_job_token, stop_job
+from accelexp.processes import JOB_ENV, die_with_parent, kill_job, new_job_token, stop_job
 from accelexp.signals import interruption
 from accelexp.tracking import credentials
 
 log = logging.getLogger(__name__)
-
-PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class WorkerFailedError(AccelexpError):
@@ -176,7 +172,7 @@ def _wait_for(command: list[str], env: dict[str, str], token: str, output: Binar
         command,
         start_new_session=True,
         env=env,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
         stdin=subprocess.DEVNULL,
         stdout=output,
         stderr=subprocess.STDOUT,
@@ -190,9 +186,3 @@ def _wait_for(command: list[str], env: dict[str, str], token: str, output: Binar
     finally:
         kill_job(token)
         process.wait()
-
-
-def _die_with_parent() -> None:
-    """In the launcher, before it starts: SIGTERM it if this process dies, even by SIGKILL."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

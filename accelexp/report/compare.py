@@ -55,6 +55,8 @@ from accelexp.parallel import STRATEGIES
 from accelexp.record import (
     ACTIVATION_CHECKPOINTING,
     BEST_VAL_ACC,
+    COMPARE,
+    COMPARE_LOCKSTEP,
     COMPILE_S,
     CONFIG_ID,
     DATA,
@@ -62,6 +64,9 @@ from accelexp.record import (
     ENDED,
     FSDP_UNITS,
     HOST,
+    LOCKSTEP_CONTENDED,
+    LOCKSTEP_INCARNATION,
+    LOCKSTEP_SAMPLES_PER_S,
     MODEL,
     NOISE,
     NOISE_CONTENDED,
@@ -158,6 +163,7 @@ class Row:
     peak_mem_mb: float | None = None
     baseline_run: str | None = None
     noise: str = ""  # "contended" when other work shared the machine (tag `noise`)
+    paired: str = ""  # how the speedup's interval was made (`Estimate.method`): lockstep...
     note: str = ""  # why a figure is blank: too short to measure, no like-for-like run, contended
 
     @property
@@ -413,6 +419,16 @@ class Group:
         runs = self.usable
         return {r.tags.get(REPEAT_INDEX, r.run_id): self.measured[r.run_id][0] for r in runs}  # type: ignore[misc]
 
+    def by_incarnation(self) -> dict[str, RunRecord]:
+        """Its finished lockstep runs by repeat index (each repeat fresh processes, and each
+        run's processes: `lockstep_pairs`); whether a neighbour shared the machine is judged
+        slice by slice (`lockstep_slices`)."""
+        return {
+            r.tags.get(REPEAT_INDEX, r.run_id): r
+            for r in self.finished
+            if r.tags.get(COMPARE) == COMPARE_LOCKSTEP
+        }
+
     @property
     def sweep(self) -> str | None:
         return self.first.tags.get(PARENT_RUN)
@@ -423,16 +439,57 @@ class Group:
 
 
 def ratio(row: Group, base: Group) -> Estimate:
-    """`row`'s throughput over `base`'s with a 95 % interval: paired by repeat index where both
-    ran their repeats interleaved in one sweep (`accelexp.sweeper`), else from independent
-    repeats (bootstrap) or, for single runs, from each run's own interval."""
+    """`row`'s throughput over `base`'s with a 95 % interval: paired by round where both took
+    turns in one lockstep sweep (`accelexp.lockstep`), by repeat index where both ran their
+    repeats interleaved in one sweep (`accelexp.sweeper`), else from independent repeats
+    (bootstrap) or, for single runs, from each run's own interval."""
     if row is base:
         return Estimate(1.0)
+    if (lockstep := lockstep_ratio(row, base)) is not None:
+        return lockstep
     mine, theirs = row.by_repeat(), base.by_repeat()
     common = sorted(mine.keys() & theirs.keys())
     if row.sweep and row.sweep == base.sweep and len(common) >= 2:
         return stats.ratio([mine[i] for i in common], [theirs[i] for i in common], paired=True)
     return stats.ratio(row.samples(), base.samples(), paired=False)
+
+
+def lockstep_slices(record: RunRecord) -> dict[int, tuple[float, int]]:
+    """A lockstep run's steady slices that no neighbour shared: (samples/s, the process that
+    ran it) by round."""
+    contended = dict(record.history(LOCKSTEP_CONTENDED))
+    process = dict(record.history(LOCKSTEP_INCARNATION))
+    return {
+        r: (v, int(process.get(r, 0)))
+        for r, v in record.history(LOCKSTEP_SAMPLES_PER_S)
+        if not contended.get(r)
+    }
+
+
+def lockstep_pairs(num: RunRecord, den: RunRecord) -> list[list[tuple[float, float]]]:
+    """Two lockstep runs of one repeat: their rates round by round, one list per pair of
+    processes that ran them (each an incarnation: `stats.lockstep_ratio`)."""
+    a, b = lockstep_slices(num), lockstep_slices(den)
+    by_processes: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for r in sorted(a.keys() & b.keys()):
+        by_processes.setdefault((a[r][1], b[r][1]), []).append((a[r][0], b[r][0]))
+    return list(by_processes.values())
+
+
+def lockstep_ratio(row: Group, base: Group) -> Estimate | None:
+    """`row` over `base` from the slices their runs of one lockstep sweep ran round by round,
+    incarnation by incarnation (`stats.lockstep_ratio`); None when they did not take turns."""
+    if not (row.sweep and row.sweep == base.sweep):
+        return None
+    mine, theirs = row.by_incarnation(), base.by_incarnation()
+    incarnations = [
+        pairs
+        for index in sorted(mine.keys() & theirs.keys())
+        for pairs in lockstep_pairs(mine[index], theirs[index])
+    ]
+    if not any(incarnations):
+        return None
+    return stats.lockstep_ratio(incarnations)
 
 
 def group(records: Sequence[RunRecord]) -> list[Group]:
@@ -541,6 +598,7 @@ class _Comparison:
             row.baseline_run = base.name()
             speedup = ratio(grouped, base)
             row.set("speedup", speedup)
+            row.paired = speedup.method
             if speedup.method == "delta (log)":
                 notes.append(WITHIN_RUN)
             base_world = world_size(base.first)

@@ -20,10 +20,23 @@ from pathlib import Path
 from typing import Any
 
 from accelexp.errors import AccelexpError
-from accelexp.record import ELAPSED_S, PARENT_RUN, PEAK_MEM_MB, SAMPLES_PER_S, SWEEP_PARENT, VAL_ACC
+from accelexp.record import (
+    COMPARE,
+    COMPARE_LOCKSTEP,
+    ELAPSED_S,
+    LOCKSTEP_CONTENDED,
+    LOCKSTEP_INCARNATION,
+    LOCKSTEP_SAMPLES_PER_S,
+    PARENT_RUN,
+    PEAK_MEM_MB,
+    SAMPLES_PER_S,
+    SWEEP_PARENT,
+    VAL_ACC,
+)
 from accelexp.tracking.runs import check_reachable, heal_stale_runs, store_lock
 
 HISTORY_KEYS = (SAMPLES_PER_S, VAL_ACC, ELAPSED_S, PEAK_MEM_MB)  # the report reads each epoch's
+LOCKSTEP_HISTORY_KEYS = (LOCKSTEP_SAMPLES_PER_S, LOCKSTEP_CONTENDED, LOCKSTEP_INCARNATION)
 PAGE_SIZE = 1000  # runs or experiments per search request
 HEALER = "accelexp-report"  # what a stale run's tag says found its process gone
 
@@ -149,9 +162,18 @@ def _record(client: Any, run: Any, histories: bool = True) -> RunRecord:
         params=dict(data.params),
         metrics=dict(data.metrics),
         histories=(
-            {key: _history(client, info.run_id, key) for key in HISTORY_KEYS} if histories else {}
+            {key: _history(client, info.run_id, key) for key in _history_keys(data.tags)}
+            if histories
+            else {}
         ),
     )
+
+
+def _history_keys(tags: dict[str, str]) -> tuple[str, ...]:
+    """The histories the report reads: each epoch's figures, and a lockstep run's slices."""
+    if tags.get(COMPARE) == COMPARE_LOCKSTEP:
+        return (*HISTORY_KEYS, *LOCKSTEP_HISTORY_KEYS)
+    return HISTORY_KEYS
 
 
 def _is_sweep_parent(run: Any) -> bool:

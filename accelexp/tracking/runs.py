@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 MAX_PARAM_VALUE = 6000  # MLflow's limit on a param value
 MAX_PARAMS_PER_BATCH = 100  # MLflow's limit on params in one log_batch call
+MAX_METRICS_PER_BATCH = 1000  # MLflow's limit on metrics in one log_batch call
 # A sweep's parent run, handed to its jobs (also in worker and launcher subprocesses) by env
 PARENT_RUN_ENV = "ACCELEXP_PARENT_RUN_ID"
 SWEEP_NAME_ENV = "ACCELEXP_SWEEP_NAME"
@@ -441,6 +442,24 @@ class Tracker:
         with self._writing("the metrics"):
             self._client.log_batch(self.run_id, metrics=batch)
 
+    def log_series(self, values: Mapping[str, Mapping[int, float]]) -> None:
+        """Metrics with a value per step of their own: {name: {step: value}}."""
+        if not self.enabled:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        batch = [
+            Metric(name, significant(v), now, step)
+            for name, series in values.items()
+            for step, v in series.items()
+        ]
+        for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
+            with self._writing("the metrics"):
+                self._client.log_batch(
+                    self.run_id, metrics=batch[start : start + MAX_METRICS_PER_BATCH]
+                )
+
     def log_dataset(
         self, name: str, identity: Mapping[str, Any], source: Path | str, context: str = "training"
     ) -> None:
@@ -684,10 +703,12 @@ def record_failure(
     return tracker.run_id
 
 
-def close_run(mlflow_cfg: DictConfig, output_dir: str | Path, status: str) -> None:
-    """Close the job's run as `status` unless it FINISHED: the rank that tracks it may have been
-    killed before it could close it, or have seen its peers vanish first and closed it FAILED.
-    Quietly nothing when the job has no run or no store."""
+def close_run(
+    mlflow_cfg: DictConfig, output_dir: str | Path, status: str, keep: Sequence[str] = (FINISHED,)
+) -> None:
+    """Close the job's run as `status` unless its status is one of `keep` (FINISHED): the rank
+    that tracks it may have been killed before it could close it, or have seen its peers vanish
+    first and closed it FAILED. Quietly nothing when the job has no run or no store."""
     id_file = Path(output_dir) / RUN_ID_FILE
     if not id_file.is_file():
         return
@@ -695,7 +716,7 @@ def close_run(mlflow_cfg: DictConfig, output_dir: str | Path, status: str) -> No
     try:
         tracker.connect(heal=False)  # the job's own run: `status` says how it ended
         run_id = id_file.read_text().strip()
-        if tracker._client.get_run(run_id).info.status != FINISHED:
+        if tracker._client.get_run(run_id).info.status not in keep:
             tracker._client.set_terminated(run_id, status=status)
     except Exception as error:  # the store is gone: nothing more can be kept
         run_id = id_file.read_text().strip()

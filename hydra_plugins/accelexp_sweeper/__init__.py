@@ -71,11 +71,45 @@ class RepeatSweeper(BasicSweeper):
 
         assert self.config is not None
         (jobs,) = BasicSweeper.split_arguments(overrides, None)
+        self.configurations = jobs  # the product, before repeats (`accelexp.lockstep.sweep`)
         jobs = plan(overrides, jobs, self.config)
         return list(BasicSweeper.split_overrides_to_chunks(jobs, max_batch_size))
 
     def sweep(self, arguments: list[str]) -> Any:
-        return _refusing_bad_input(lambda: super(RepeatSweeper, self).sweep(arguments))
+        return _refusing_bad_input(lambda: self._sweep(arguments))
+
+    def _sweep(self, arguments: list[str]) -> Any:
+        """Hydra's basic sweep, or repeat by repeat: lockstep incarnations, or rounds until a
+        precision target (`accelexp.lockstep.sweep`)."""
+        from omegaconf import OmegaConf
+
+        from accelexp.lockstep import sweep as by_repeat
+
+        assert self.config is not None and self.hydra_context is not None
+        if self.config.compare == "repeats" and self.config.precision_target is None:
+            return BasicSweeper.sweep(self, arguments)
+        by_repeat.check(self.config, str(self.config.hydra.launcher._target_))
+        parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
+        overrides = parser.parse_overrides([*self._parse_config(), *arguments])
+        self.split_arguments(overrides, None)  # refuses what a sweep cannot repeat
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        self.validate_batch_is_legal(self.configurations)
+        return by_repeat.Repeats(
+            self.config, self.configurations, self._launch, self._compose
+        ).run()
+
+    def _compose(self, overrides: list[str]) -> DictConfig:
+        assert self.config is not None and self.hydra_context is not None
+        return self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+
+    def _launch(self, batch: list[list[str]], first: int) -> Any:
+        self.validate_batch_is_legal(batch)
+        results = self.launcher.launch(batch, initial_job_idx=first)
+        for result in results:
+            _ = result.return_value  # a job that raised: raise it here, as Hydra's sweep does
+        return results
 
 
 class AutotuneSweeper(Sweeper):

@@ -1,0 +1,34 @@
+"""Lockstep: a sweep's configurations as live jobs that take turns at the machine.
+
+    python run.py -m precision=fp32,bf16 compare=lockstep repeats=3
+
+Whole-run repeats (`compare=repeats`, the default) pair runs minutes apart, so each pair carries
+the machine's drift over a whole run. In lockstep every configuration of the sweep runs at the
+same time as its own job, and the jobs take turns: one job runs a *slice* of
+`lockstep.slice_steps` training steps while every other job waits blocked on a socket (no CPU
+spinning: the jobs run with `OMP_WAIT_POLICY=PASSIVE`; no GPU work queued: a job synchronises its
+device before it hands the turn on), then hands the turn to the next; a *round* is one slice of
+each job, the order reversed every other round (A B, B A, A B...). Slice r of A and slice r of B
+ran seconds apart, so the drift they share cancels in their ratio: the report pairs the slices
+by round (`accelexp.stats.lockstep_ratio`).
+
+What lockstep cannot pair away is a bias that lives as long as a process (memory placement, where
+its threads landed: `docs/statistics.md` has the measurement). Each repeat is therefore a fresh
+set of processes (an *incarnation*), and the interval of a ratio is taken over incarnations, so
+that bias is inside it, never hidden.
+
+Every job still trains its whole run, evaluates, checkpoints and logs as a run of its own (a
+child of the sweep's parent run): only *when* its steps run changes. A job holds the turn from
+the gate it passed until the next one, so its evaluation, checkpoints and logging never run
+during another job's timed slice.
+
+- `turns.Turns` (in the sweeper's process) hands the turns, over a Unix socket;
+- `gate.Gate` (in every rank of a job) is what the training loop passes before each slice;
+- `jobs.run_incarnation` starts one incarnation's jobs as processes of `run.py`, waits for them,
+  and stops them all on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+LOCKSTEP_ENV = "ACCELEXP_LOCKSTEP"  # a job's: "<socket path> <job index> <authkey hex>"
+DESIGNS = ("repeats", "lockstep")  # the values of `compare`

@@ -1,0 +1,217 @@
+"""A sweep run repeat by repeat: lockstep incarnations or whole-run rounds, until a precision.
+
+`Repeats.run` is what the sweeper (`hydra_plugins.accelexp_sweeper.RepeatSweeper`) does when a
+sweep says `compare=lockstep` or `precision_target=...`: each repeat is one incarnation of every
+configuration — in lockstep, all of them at once as fresh processes taking turns
+(`accelexp.lockstep.jobs`); with `compare=repeats`, one after another through Hydra's launcher,
+as the round-robin of `accelexp.sweeper` — and with a `precision_target` the sweep reads its
+ratios back from MLflow after each repeat (`accelexp.report.compare`, as the report computes
+them) and stops once every ratio's 95 % half-width is within the target, or at `max_repeats`
+(the budget), saying which.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from accelexp import outcome
+from accelexp.errors import ConfigError
+from accelexp.lockstep import jobs as lockstep_jobs
+from accelexp.sweeper import repeated
+
+log = logging.getLogger(__name__)
+MIN_REPEATS_FOR_TARGET = 2  # an interval over repeats (incarnations) needs two
+
+
+@dataclass
+class Precision:
+    """The sweep's ratios after some repeats: the widest 95 % half-width, relative, and which."""
+
+    repeats: int
+    halfwidth: float | None  # None: some ratio has no interval yet
+    worst: str  # the row it belongs to
+
+    def line(self, target: float | None, spent: bool) -> str:
+        width = "no interval yet" if self.halfwidth is None else f"±{100 * self.halfwidth:.1f} %"
+        if target is not None and self.halfwidth is not None and self.halfwidth <= target:
+            return f"precision target ±{100 * target:g} % reached: {width}, {self.repeats} repeats"
+        if spent:
+            return f"budget spent at {width} after {self.repeats} repeats (widest: {self.worst})"
+        return f"after {self.repeats} repeats: widest ratio {width} ({self.worst})"
+
+
+def check(config: DictConfig, launcher_target: str) -> None:
+    """Refuse, before any job, what a repeat-by-repeat sweep cannot do."""
+    if config.compare == "lockstep" and not launcher_target.endswith("BasicLauncher"):
+        raise ConfigError(
+            f"compare=lockstep runs the sweep's jobs side by side on this machine, taking turns; "
+            f"it cannot hand turns to jobs of another launcher ({launcher_target}). Leave "
+            f"hydra/launcher at its default, or use compare=repeats."
+        )
+    if config.precision_target is not None and config.max_repeats < max(
+        config.repeats, MIN_REPEATS_FOR_TARGET
+    ):
+        raise ConfigError(
+            f"precision_target={config.precision_target} adds repeats up to max_repeats="
+            f"{config.max_repeats}, which is below repeats={config.repeats}: raise max_repeats."
+        )
+
+
+CONTEXT_MB = 512.0  # a CUDA context's own memory, per process (the forecast leaves it out)
+
+
+def memory_problem(peaks_mb: dict[str, float], device_mb: float) -> str:
+    """Jobs in lockstep share one GPU: "" when their forecast peaks (per job: the fullest
+    device's, times its workers, plus a CUDA context each) fit `device_mb` together, else the
+    message that refuses the sweep."""
+    total = sum(peaks_mb.values())
+    if total <= device_mb:
+        return ""
+    each = ", ".join(f"{name} {mb / 1024:.1f} GiB" for name, mb in peaks_mb.items())
+    return (
+        f"compare=lockstep keeps every configuration's job alive on the GPU at once, and their "
+        f"forecast memory adds up to {total / 1024:.1f} GiB ({each}, CUDA contexts included) "
+        f"of the GPU's {device_mb / 1024:.1f} GiB. Use compare=repeats, fewer configurations "
+        f"per sweep, or a smaller data.batch_size."
+    )
+
+
+def check_memory(configs: Sequence[DictConfig], names: Sequence[str]) -> None:
+    """Refuse a lockstep sweep whose jobs would not fit on the GPU together (CUDA only: on a
+    CPU the jobs share host memory, which `config.resources` checks per job)."""
+    import torch
+
+    if not torch.cuda.is_available() or any(c.device == "cpu" for c in configs):
+        return
+    from accelexp.forecast import forecast
+
+    peaks = {}
+    for name, cfg in zip(names, configs, strict=True):
+        ahead = forecast(cfg)
+        peaks[name] = (ahead.peak_mb + CONTEXT_MB) * ahead.world_size
+    device_mb = torch.cuda.get_device_properties(0).total_memory / 2**20
+    if problem := memory_problem(peaks, device_mb):
+        raise ConfigError(problem)
+
+
+class Repeats:
+    """Runs `configurations` repeat by repeat (see the module doc)."""
+
+    def __init__(
+        self,
+        config: DictConfig,
+        configurations: list[list[str]],
+        launch: Callable[[list[list[str]], int], object],
+        compose: Callable[[list[str]], DictConfig],
+    ) -> None:
+        """`launch(batch, first_job_number)`: Hydra's launcher, for `compare=repeats`;
+        `compose(overrides)`: a job's config."""
+        self.config = config
+        self.compose = compose
+        self.configurations = configurations
+        self.launch = launch
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+        self.lockstep = config.compare == "lockstep"
+        target = config.precision_target
+        self.least = max(config.repeats, MIN_REPEATS_FOR_TARGET) if target else config.repeats
+        self.most = config.max_repeats if target else config.repeats
+
+    def run(self) -> list[object]:
+        config, seed = self.config, self.config.seed
+        vary = config.repeat_seed == "vary"
+        count = len(self.configurations)
+        design = "lockstep (live jobs taking turns)" if self.lockstep else "whole-run repeats"
+        log.info(
+            "%d configuration(s), %s repeat(s)%s, compared by %s",
+            count,
+            self.least if self.least == self.most else f"{self.least} to {self.most}",
+            f" until every ratio is within ±{100 * config.precision_target:g} %"
+            if config.precision_target
+            else "",
+            design,
+        )
+        if self.lockstep:
+            names = self.names(self.configurations)
+            check_memory([self.compose(job) for job in self.configurations], names)
+        returns: list[object] = []
+        number = 0
+        for index in range(self.most):
+            batch = repeated(self.configurations, 1, seed + index if vary else None)
+            batch = [[*self._without_index(job), f"repeat_index={index}"] for job in batch]
+            started = time.perf_counter()
+            returns.append(self._one_repeat(batch, number))
+            number += len(batch)
+            log.info(
+                "repeat %d of the sweep done in %.0f s", index + 1, time.perf_counter() - started
+            )
+            if index + 1 < self.least:
+                continue
+            if config.precision_target is None:
+                if index + 1 >= self.most:
+                    break
+                continue
+            precision = self.precision(index + 1)
+            spent = index + 1 >= self.most
+            log.info("%s", precision.line(config.precision_target, spent))
+            if precision.halfwidth is not None and precision.halfwidth <= config.precision_target:
+                break
+        return returns
+
+    @staticmethod
+    def _without_index(job: list[str]) -> list[str]:
+        return [o for o in job if o.split("=", 1)[0].lstrip("+~") != "repeat_index"]
+
+    def _one_repeat(self, batch: list[list[str]], number: int) -> object:
+        if not self.lockstep:
+            return self.launch(batch, number)
+        sweep = outcome.current_sweep_state().running
+        environment = dict(getattr(sweep, "environment", {}) or {})
+        names = self.names(batch)
+        ends, _said = lockstep_jobs.run_incarnation(
+            batch, number, self.sweep_dir, environment, names
+        )
+        failed = [end for end in ends if end.returncode != 0]
+        for end in failed:
+            lockstep_jobs.close_unclosed(self.config.mlflow, end)
+        return ends
+
+    def names(self, jobs: Sequence[Sequence[str]]) -> list[str]:
+        """Each job by the overrides that tell it apart from the sweep's other jobs."""
+        common = set.intersection(*(set(j) for j in self.configurations))
+        return [
+            " ".join(o for o in job if o not in common and not o.startswith("repeat_index="))
+            or f"job {i}"
+            for i, job in enumerate(jobs)
+        ]
+
+    def precision(self, repeats: int) -> Precision:
+        """The widest relative half-width of the sweep's ratios, as the report computes them."""
+        from accelexp.report.compare import compare
+        from accelexp.tracking.query import child_runs
+
+        sweep = outcome.current_sweep_state().running
+        run_id = getattr(sweep, "run_id", None)
+        if run_id is None:
+            return Precision(repeats, None, "the sweep has no parent run")
+        records = child_runs(self.config.mlflow.tracking_uri, run_id)
+        rows = compare(records, strict=False)
+        widest, worst = -1.0, ""
+        for row in rows:
+            if row.baseline_run is None or row.run_id == row.baseline_run:
+                continue
+            if row.speedup is None or row.speedup_low is None or row.speedup_high is None:
+                return Precision(repeats, None, row.run_name)
+            half = (math.log(row.speedup_high) - math.log(row.speedup_low)) / 2
+            relative = math.expm1(half)
+            if relative > widest:
+                widest, worst = relative, row.run_name
+        if widest < 0:
+            return Precision(repeats, None, "no ratio to measure")
+        return Precision(repeats, widest, worst)

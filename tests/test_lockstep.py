@@ -1,0 +1,172 @@
+"""Lockstep: a sweep's configurations as live jobs taking turns, proved on real jobs.
+
+One real lockstep sweep — a single-process job beside a 2-worker DDP job (Gloo), tiny, a turn
+of one step — feeds the checks that no step of a job runs during another job's turn and that the
+two ranks of the DDP job take each turn together, from the jobs' own step ends and turns on the
+host's monotonic clock. A crashed job, a SIGINT to the sweeper, a refused launcher and the
+precision target are real sweeps too; the interval across incarnations is checked on numbers
+made here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import signal
+from pathlib import Path
+
+import pytest
+from conftest import new_store, output_of
+from jobs import Job
+from mlflow import MlflowClient
+from test_sweeps import TINY, runs_of, sweep
+
+from accelexp import stats
+from accelexp.lockstep.sweep import memory_problem
+from accelexp.record import COMPARE, LOCKSTEP_SAMPLES_PER_S, REPEAT_INDEX, lockstep_file
+from accelexp.report import compare
+from accelexp.tracking import query
+
+TURN_OF_ONE_STEP = ("compare=lockstep", "lockstep.slice_steps=1", "lockstep.warmup_rounds=0")
+
+
+def windows(folder: Path, rank: int) -> tuple[list[tuple[int, float, float]], list[float]]:
+    """A rank's turns (round, granted, handed back) and step ends, as it recorded them."""
+    kept = json.loads((folder / lockstep_file(rank)).read_text())
+    return [tuple(t) for t in kept["turns"]], kept["step_ends"]
+
+
+@pytest.fixture(scope="module")
+def taking_turns(tmp_path_factory: pytest.TempPathFactory, mlflow_template_db: Path):
+    """A lockstep sweep of one single-process job and one 2-worker DDP job."""
+    tmp = tmp_path_factory.mktemp("lockstep")
+    result, uri = sweep(
+        tmp, mlflow_template_db, "parallelism=ddp", "parallelism.nprocs=1,2", *TURN_OF_ONE_STEP
+    )
+    return result, uri, tmp / "sweep"
+
+
+def test_no_step_of_a_job_runs_during_another_jobs_turn(taking_turns) -> None:
+    result, _, folder = taking_turns
+    assert result.returncode == 0, output_of(result)
+    single, ddp = (windows(folder / str(job), 0) for job in (0, 1))
+    turns = sorted([(t, "single") for t in single[0]] + [(t, "ddp") for t in ddp[0]])
+    for (earlier, _), (later, _) in itertools.pairwise(turns):
+        assert earlier[2] <= later[1], f"turns overlap: {earlier} and {later}"
+    assert {who for _, who in turns} == {"single", "ddp"}
+    for own_turns, step_ends in (single, ddp):
+        assert step_ends, "the job trained"
+        for end in step_ends:  # each step ended inside one of its own job's turns
+            assert any(granted <= end <= back for _, granted, back in own_turns), end
+    rounds = [t[0] for t, _ in turns]
+    assert rounds == sorted(rounds), "one turn of each job per round, round after round"
+
+
+def test_the_ranks_of_a_job_take_each_turn_together(taking_turns) -> None:
+    _, _, folder = taking_turns
+    (rank0, _), (rank1, steps1) = windows(folder / "1", 0), windows(folder / "1", 1)
+    assert [t[0] for t in rank0] == [t[0] for t in rank1], "the same rounds"
+    for a, b in zip(rank0, rank1, strict=True):  # both inside the job's turn of that round
+        assert max(a[1], b[1]) < min(a[2], b[2])
+    single = windows(folder / "0", 0)[0]
+    for end in steps1:
+        assert not any(granted < end < back for _, granted, back in single)
+
+
+def test_lockstep_runs_are_paired_by_round_in_the_report(taking_turns) -> None:
+    _, uri, _ = taking_turns
+    parent, children = runs_of(uri)
+    assert parent.info.status == "FINISHED"
+    assert {c.data.tags[COMPARE] for c in children} == {"lockstep"}
+    client = MlflowClient(uri)
+    for child in children:  # every timed turn after the first epoch, by round
+        assert client.get_metric_history(child.info.run_id, LOCKSTEP_SAMPLES_PER_S)
+    rows = compare(query.child_runs(uri, parent.info.run_id), baseline="world_size=1")
+    ddp = next(r for r in rows if r.world_size == 2)
+    assert ddp.paired.startswith("lockstep: 1 incarnation"), ddp.paired
+
+
+def test_a_crashed_job_ends_alone_and_the_others_go_on(
+    tmp_path: Path, mlflow_template_db: Path
+) -> None:
+    result, uri = sweep(
+        tmp_path,
+        mlflow_template_db,
+        "debug.raise_on_rank=null,0",
+        "debug.raise_at_step=2",
+        *TURN_OF_ONE_STEP,
+    )
+    text = output_of(result)
+    assert result.returncode == 1, text
+    assert "lockstep: job 1 (debug.raise_on_rank=0) stopped" in text
+    assert "debug.raise_on_rank=null go on alone" in text
+    parent, children = runs_of(uri)
+    statuses = {c.data.params["debug.raise_on_rank"]: c.info.status for c in children}
+    assert statuses == {"None": "FINISHED", "0": "FAILED"}, statuses
+    assert parent.info.status == "FAILED"
+
+
+def test_sigint_stops_every_job_and_closes_every_run(
+    tmp_path: Path, mlflow_template_db: Path
+) -> None:
+    uri = new_store(tmp_path, mlflow_template_db)
+    job = Job(
+        tmp_path, "-m", *TINY, "epochs=50", "max_steps_per_epoch=4", "precision=fp32,bf16",
+        *TURN_OF_ONE_STEP, f"mlflow.tracking_uri={uri}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    )  # fmt: skip
+    try:
+        job.wait_for("epoch 2/50", count=2)  # both are training, taking turns
+        job.signal(signal.SIGINT)
+        code = job.finish()  # and nothing it started is left
+    finally:
+        job.kill_everything()
+    assert code == 128 + signal.SIGINT, job.output
+    parent, children = runs_of(uri)
+    assert parent.info.status == "KILLED"
+    assert len(children) == 2 and {c.info.status for c in children} == {"KILLED"}
+
+
+def test_lockstep_refuses_a_launcher_it_cannot_hand_turns_to(
+    tmp_path: Path, mlflow_template_db: Path
+) -> None:
+    result, _ = sweep(tmp_path, mlflow_template_db, "precision=fp32,bf16", "compare=lockstep",
+                      "hydra/launcher=joblib")  # fmt: skip
+    assert result.returncode == 2, output_of(result)
+    assert "compare=lockstep runs the sweep's jobs side by side" in output_of(result)
+
+
+def test_a_precision_target_stops_sampling(tmp_path: Path, mlflow_template_db: Path) -> None:
+    """A target met at once stops at the least repeats an interval needs; one that cannot be
+    met runs up to max_repeats and says the budget was spent."""
+    met, uri = sweep(tmp_path / "met", mlflow_template_db, "+mlflow.tags.side=a,b",
+                     "precision_target=0.99", "max_repeats=4")  # fmt: skip
+    assert met.returncode == 0, output_of(met)
+    assert "precision target ±99 % reached" in output_of(met)
+    assert {c.data.tags[REPEAT_INDEX] for c in runs_of(uri)[1]} == {"0", "1"}
+    spent, uri = sweep(tmp_path / "spent", mlflow_template_db, "+mlflow.tags.side=a,b",
+                       "precision_target=0.000001", "max_repeats=3")  # fmt: skip
+    assert spent.returncode == 0, output_of(spent)
+    assert "budget spent at" in output_of(spent)
+    assert {c.data.tags[REPEAT_INDEX] for c in runs_of(uri)[1]} == {"0", "1", "2"}
+
+
+def test_a_process_bias_is_inside_the_interval_across_incarnations() -> None:
+    """Three incarnations whose processes ran 0 %, +6 % and -6 % apart for their whole life:
+    each alone is precise and wrong; across them the interval holds 1.0 and says so."""
+    noise = [0.001 * math.sin(k) for k in range(40)]  # a small round-to-round jitter
+    incarnations = [[(100 * bias * (1 + e), 100.0) for e in noise] for bias in (1.0, 1.06, 0.94)]
+    alone = stats.lockstep_ratio(incarnations[1:2])
+    assert not alone.contains(1.0) and "not in the interval" in alone.method
+    across = stats.lockstep_ratio(incarnations)
+    assert across.contains(1.0) and across.method.startswith("lockstep: t over 3 incarnations")
+
+
+def test_jobs_that_would_not_fit_one_gpu_together_are_refused() -> None:
+    """Forecast peaks (CUDA contexts included) add up: under the GPU's memory they start, over
+    it the message names each job's share and what to do."""
+    fits = {"precision=fp32": 30 * 1024.0, "precision=bf16": 20 * 1024.0}
+    assert memory_problem(fits, device_mb=64 * 1024.0) == ""
+    problem = memory_problem(fits, device_mb=40 * 1024.0)
+    assert "add up to 50.0 GiB (precision=fp32 30.0 GiB, precision=bf16 20.0 GiB" in problem
+    assert "Use compare=repeats" in problem
