@@ -158,6 +158,7 @@ def test_repeats_run_round_robin_and_the_report_makes_each_configuration_one_row
         "data.num_train=512", "max_steps_per_epoch=12",
     )  # fmt: skip
     assert result.returncode == 0, output_of(result)
+    assert "This sweep runs 4 jobs (2 configurations x 2 repeats)." in output_of(result)
     parent, children = runs_of(uri)
     children.sort(key=lambda r: r.info.start_time)
     order = [(r.data.tags["precision"], r.data.tags["repeat_index"]) for r in children]
