@@ -533,6 +533,16 @@ def test_unknown_experiment_lists_the_existing_ones(store):
 
 
 # --- the command --------------------------------------------------------------------------------
+def test_a_store_that_is_not_sqlite_is_one_line_saying_what_to_do(capsys, tmp_path):
+    text = tmp_path / "notadb.db"
+    text.write_text("not a database\n")
+    code, out, err = run_main(capsys, "--tracking-uri", f"sqlite:///{text}", "--experiment", "x")
+    assert code == 2 and out == "", (out, err)
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"Cannot use the MLflow store sqlite:///{text}: " in err
+    assert "not a database" in err and "--tracking-uri" in err
+
+
 def test_sweep_as_csv_with_numbers_computed_by_hand(store, capsys, tmp_path):
     code, out, _ = run_main(
         capsys,
