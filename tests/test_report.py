@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -430,11 +431,13 @@ def test_repeats_of_one_configuration_are_one_row_with_intervals_computed_by_han
     assert sorted(rows) == ["amp", "fp32"] and rows["fp32"].repeats == 3
     base = rows["fp32"]
     assert base.run_name == "fp32 m-single" and base.label == "fp32 m-single ×3"
-    # mean 100.667, sd 3.05505 -> half-width t * sd / sqrt(3)
-    assert base.samples_per_s == pytest.approx(302 / 3)
-    half = T_975_2 * 3.0550504633038935 / 3**0.5
+    # a rate over repeats: t interval of the logs of 100, 104, 98, taken back with exp
+    logs = [math.log(100), math.log(104), math.log(98)]
+    centre = sum(logs) / 3
+    half = T_975_2 * (sum((x - centre) ** 2 for x in logs) / 2) ** 0.5 / 3**0.5
+    assert base.samples_per_s == pytest.approx(math.exp(centre))  # the geometric mean
     assert (base.samples_per_s_low, base.samples_per_s_high) == pytest.approx(
-        (302 / 3 - half, 302 / 3 + half)
+        (math.exp(centre - half), math.exp(centre + half))
     )
     assert base.test_acc == pytest.approx(0.82) and base.test_acc_sd == pytest.approx(0.02)
     # AMP gain paired by repeat index: log ratios of 150/100, 160/104, 147/98
@@ -459,7 +462,7 @@ def test_a_contended_repeat_is_set_aside_with_its_evidence():
         repeat("fp32", 2, 102.0),
     ]
     (row,) = compare(records)
-    assert row.repeats == 2 and row.samples_per_s == pytest.approx(101.0)
+    assert row.repeats == 2 and row.samples_per_s == pytest.approx((100.0 * 102.0) ** 0.5)
     assert row.note == f"r2 set aside: contended ({evidence})"
     assert row.noise == ""  # the row's figures are clean
 
