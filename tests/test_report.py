@@ -412,7 +412,7 @@ def repeat(precision, index, samples_per_s, *, contended="", test_acc=0.85, swee
     if contended:
         tags |= {"noise": "contended", "noise_evidence": contended}
     return record(
-        f"{precision} m-single r{index + 1}", "single", 1, precision, [samples_per_s] * 2,
+        f"r{index + 1} {precision} m-single", "single", 1, precision, [samples_per_s] * 2,
         start=10 * index + (precision == "amp"), tags=tags,
         metrics={"throughput": samples_per_s, "test_acc": test_acc},
     )  # fmt: skip
@@ -451,7 +451,9 @@ def test_repeats_of_one_configuration_are_one_row_with_intervals_computed_by_han
     assert gain.speedup == gain.amp_gain  # the fp32 repeats are the baseline too
     assert base.speedup == 1.0
     # --diagnose keeps a row per repeat, a configuration's repeats together
-    assert [row.run_name[:4] for row in diagnose(records)] == ["fp32"] * 3 + ["amp "] * 3
+    assert [row.run_name for row in diagnose(records)] == [
+        f"r{i} {precision} m-single" for precision in ("fp32", "amp") for i in (1, 2, 3)
+    ]  # a repeat's name starts with what differs: its index
 
 
 def test_a_contended_repeat_is_set_aside_with_its_evidence():

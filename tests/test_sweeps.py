@@ -165,8 +165,8 @@ def test_repeats_run_round_robin_and_the_report_makes_each_configuration_one_row
     assert order == [("fp32", "0"), ("bf16", "0"), ("fp32", "1"), ("bf16", "1")]  # A B A B
     assert [r.data.params["seed"] for r in children] == ["42", "42", "43", "43"]
     assert [r.info.run_name for r in children] == [
-        "fp32 simple_cnn-single r1", "bf16 simple_cnn-single r1",
-        "fp32 simple_cnn-single r2", "bf16 simple_cnn-single r2",
+        "r1 fp32 simple_cnn-single", "r1 bf16 simple_cnn-single",
+        "r2 fp32 simple_cnn-single", "r2 bf16 simple_cnn-single",
     ]  # fmt: skip
     ids = [r.data.tags["config_id"] for r in children]
     assert ids[0] == ids[2] != ids[1] == ids[3]  # one configuration across repeats and seeds

@@ -422,7 +422,8 @@ class Group:
 
     def name(self) -> str:
         name = self.first.name
-        return re.sub(r" r\d+$", "", name) if len(self.records) > 1 else name
+        # a repeat's name starts with `r2 ` (stores written before: ends in ` r2`)
+        return re.sub(r"^r\d+ | r\d+$", "", name) if len(self.records) > 1 else name
 
 
 def ratio(row: Group, base: Group) -> Estimate:
