@@ -22,7 +22,12 @@ Methods, by question:
 - **Repeats of one configuration** (`across_repeats`). Mean ± t(n-1) · sd / √n. The mean, not
   the median: with 3–5 repeats no distribution-free interval of the median reaches 95 %
   coverage (its widest one, the range of 5 values, covers 1 - 2/2⁵ ≈ 94 %), and a bootstrap of 3
-  values under-covers badly; the t interval of the mean is honest at these sizes.
+  values under-covers badly; the t interval of the mean is honest at these sizes. For figures
+  that may be negative or zero.
+- **Repeats of a rate** (`across_repeats_log`: throughputs, samples/s). The t interval of the
+  logs, taken back with exp: the value is the geometric mean, and neither bound can reach 0 (a
+  t interval of 3 spread-out throughputs can: "554.8 (−81.9–1191.5)"). Rates are positive and
+  their noise multiplicative (a neighbour slows a run by a share, not by a number of samples).
 - **Ratio of two configurations** (`ratio`: speedup, AMP gain), each side given as its repeats'
   per-run estimates:
   - *paired* (repeat i of each side ran next to each other, same length ≥ 2): the log ratios
@@ -191,6 +196,26 @@ def across_repeats(values: Sequence[float], confidence: float = CONFIDENCE) -> E
         return Estimate(value, n=1)
     half = _t_halfwidth(sample, confidence)
     return Estimate(value, value - half, value + half, n=sample.size, method="t")
+
+
+def across_repeats_log(values: Sequence[float], confidence: float = CONFIDENCE) -> Estimate:
+    """Geometric mean of a rate's repeats (positive values) with the t interval of the logs,
+    taken back with exp: bounds always positive. One value has no interval."""
+    sample = _array(values, "across_repeats_log")
+    if not np.all(sample > 0):
+        raise ValueError(f"across_repeats_log needs positive values, got {sample.tolist()}")
+    logs = np.log(sample)
+    centre = float(logs.mean())
+    if sample.size < 2:
+        return Estimate(float(sample[0]), n=1)
+    half = _t_halfwidth(logs, confidence)
+    return Estimate(
+        math.exp(centre),
+        math.exp(centre - half),
+        math.exp(centre + half),
+        n=sample.size,
+        method="t (log)",
+    )
 
 
 def _values(side: Sequence[Estimate], what: str) -> np.ndarray:

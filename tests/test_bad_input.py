@@ -224,6 +224,27 @@ def test_bad_input_in_a_real_process_is_one_clear_message(overrides, named, tmp_
     assert_one_clear_message(result, named)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        case("-m repeats=0", "repeats=0: each configuration runs at least once; give repeats=1"),
+        case("-m repeats=-1", "repeats=-1: each configuration runs at least once"),
+        case(
+            "-m precision=fp32,amp objective=time_to_target target_accuracy=null",
+            "The job `precision=fp32` cannot run, so no job of the sweep ran",
+        ),
+    ],
+)
+def test_a_sweep_refuses_bad_input_before_its_first_job(
+    overrides, named, tmp_path, tracking_uri, capfd
+):
+    result = run_here(capfd, *command(overrides, tmp_path, tracking_uri))
+    assert_one_clear_message(result, named)
+    assert result.returncode == 2, output_of(result)  # outcome.EXIT_BAD_INPUT
+    assert "AssertionError" not in output_of(result)
+    assert "Sweep FAILED after 0 runs" in output_of(result)  # its parent run closed, no job ran
+
+
 def test_hydra_full_error_still_shows_the_traceback(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "MLFLOW_"))}
     result = subprocess.run(

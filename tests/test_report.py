@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -411,7 +412,7 @@ def repeat(precision, index, samples_per_s, *, contended="", test_acc=0.85, swee
     if contended:
         tags |= {"noise": "contended", "noise_evidence": contended}
     return record(
-        f"{precision} m-single r{index + 1}", "single", 1, precision, [samples_per_s] * 2,
+        f"r{index + 1} {precision} m-single", "single", 1, precision, [samples_per_s] * 2,
         start=10 * index + (precision == "amp"), tags=tags,
         metrics={"throughput": samples_per_s, "test_acc": test_acc},
     )  # fmt: skip
@@ -430,11 +431,13 @@ def test_repeats_of_one_configuration_are_one_row_with_intervals_computed_by_han
     assert sorted(rows) == ["amp", "fp32"] and rows["fp32"].repeats == 3
     base = rows["fp32"]
     assert base.run_name == "fp32 m-single" and base.label == "fp32 m-single ×3"
-    # mean 100.667, sd 3.05505 -> half-width t * sd / sqrt(3)
-    assert base.samples_per_s == pytest.approx(302 / 3)
-    half = T_975_2 * 3.0550504633038935 / 3**0.5
+    # a rate over repeats: t interval of the logs of 100, 104, 98, taken back with exp
+    logs = [math.log(100), math.log(104), math.log(98)]
+    centre = sum(logs) / 3
+    half = T_975_2 * (sum((x - centre) ** 2 for x in logs) / 2) ** 0.5 / 3**0.5
+    assert base.samples_per_s == pytest.approx(math.exp(centre))  # the geometric mean
     assert (base.samples_per_s_low, base.samples_per_s_high) == pytest.approx(
-        (302 / 3 - half, 302 / 3 + half)
+        (math.exp(centre - half), math.exp(centre + half))
     )
     assert base.test_acc == pytest.approx(0.82) and base.test_acc_sd == pytest.approx(0.02)
     # AMP gain paired by repeat index: log ratios of 150/100, 160/104, 147/98
@@ -448,7 +451,9 @@ def test_repeats_of_one_configuration_are_one_row_with_intervals_computed_by_han
     assert gain.speedup == gain.amp_gain  # the fp32 repeats are the baseline too
     assert base.speedup == 1.0
     # --diagnose keeps a row per repeat, a configuration's repeats together
-    assert [row.run_name[:4] for row in diagnose(records)] == ["fp32"] * 3 + ["amp "] * 3
+    assert [row.run_name for row in diagnose(records)] == [
+        f"r{i} {precision} m-single" for precision in ("fp32", "amp") for i in (1, 2, 3)
+    ]  # a repeat's name starts with what differs: its index
 
 
 def test_a_contended_repeat_is_set_aside_with_its_evidence():
@@ -459,7 +464,7 @@ def test_a_contended_repeat_is_set_aside_with_its_evidence():
         repeat("fp32", 2, 102.0),
     ]
     (row,) = compare(records)
-    assert row.repeats == 2 and row.samples_per_s == pytest.approx(101.0)
+    assert row.repeats == 2 and row.samples_per_s == pytest.approx((100.0 * 102.0) ** 0.5)
     assert row.note == f"r2 set aside: contended ({evidence})"
     assert row.noise == ""  # the row's figures are clean
 
@@ -533,6 +538,16 @@ def test_unknown_experiment_lists_the_existing_ones(store):
 
 
 # --- the command --------------------------------------------------------------------------------
+def test_a_store_that_is_not_sqlite_is_one_line_saying_what_to_do(capsys, tmp_path):
+    text = tmp_path / "notadb.db"
+    text.write_text("not a database\n")
+    code, out, err = run_main(capsys, "--tracking-uri", f"sqlite:///{text}", "--experiment", "x")
+    assert code == 2 and out == "", (out, err)
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"Cannot use the MLflow store sqlite:///{text}: " in err
+    assert "not a database" in err and "--tracking-uri" in err
+
+
 def test_sweep_as_csv_with_numbers_computed_by_hand(store, capsys, tmp_path):
     code, out, _ = run_main(
         capsys,

@@ -14,6 +14,7 @@ import pytest
 from accelexp.stats import (
     Estimate,
     across_repeats,
+    across_repeats_log,
     batch_means,
     efficiency,
     format_estimate,
@@ -171,3 +172,19 @@ def test_format_estimate():
     thousands = Estimate(5105.2, 4980.4, 5230.1)
     assert format_estimate(thousands, "{:,.0f}") == "5,105 (4,980–5,230)"
     assert format_estimate(Estimate(1.5), suffix="×") == "1.50×"
+
+
+def test_across_repeats_log_is_the_geometric_mean_and_never_crosses_zero():
+    values = [900.0, 100.0, 664.0]  # a plain t interval of these reaches below 0
+    assert across_repeats(values).low < 0
+    e = across_repeats_log(values)
+    logs = [math.log(v) for v in values]
+    centre = sum(logs) / 3
+    sd = math.sqrt(sum((x - centre) ** 2 for x in logs) / 2)
+    half = T_975_2 * sd / math.sqrt(3)
+    assert e.value == pytest.approx(math.exp(centre))
+    assert (e.low, e.high) == pytest.approx((math.exp(centre - half), math.exp(centre + half)))
+    assert 0 < e.low < e.value < e.high and e.n == 3 and e.method == "t (log)"
+    assert not across_repeats_log([100]).has_interval
+    with pytest.raises(ValueError):
+        across_repeats_log([100, 0])

@@ -158,14 +158,15 @@ def test_repeats_run_round_robin_and_the_report_makes_each_configuration_one_row
         "data.num_train=512", "max_steps_per_epoch=12",
     )  # fmt: skip
     assert result.returncode == 0, output_of(result)
+    assert "This sweep runs 4 jobs (2 configurations x 2 repeats)." in output_of(result)
     parent, children = runs_of(uri)
     children.sort(key=lambda r: r.info.start_time)
     order = [(r.data.tags["precision"], r.data.tags["repeat_index"]) for r in children]
     assert order == [("fp32", "0"), ("bf16", "0"), ("fp32", "1"), ("bf16", "1")]  # A B A B
     assert [r.data.params["seed"] for r in children] == ["42", "42", "43", "43"]
     assert [r.info.run_name for r in children] == [
-        "fp32 simple_cnn-single r1", "bf16 simple_cnn-single r1",
-        "fp32 simple_cnn-single r2", "bf16 simple_cnn-single r2",
+        "r1 fp32 simple_cnn-single", "r1 bf16 simple_cnn-single",
+        "r2 fp32 simple_cnn-single", "r2 bf16 simple_cnn-single",
     ]  # fmt: skip
     ids = [r.data.tags["config_id"] for r in children]
     assert ids[0] == ids[2] != ids[1] == ids[3]  # one configuration across repeats and seeds

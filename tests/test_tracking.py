@@ -368,6 +368,8 @@ def test_sweep_jobs_are_named_by_what_they_vary_first(compose_cfg, monkeypatch):
     job = ["optimizer=adamw", "optimizer.lr=0.2", "precision=bf16", "epochs=1"]
     name = run_name(compose_cfg(*job), overrides=job)
     assert name == "lr=0.2 adamw simple_cnn-single-bf16"
+    second = compose_cfg(*job, "repeats=3", "repeat_index=1")  # a repeat: its index comes first
+    assert run_name(second, overrides=job) == "r2 lr=0.2 adamw simple_cnn-single-bf16"
     chosen = compose_cfg("mlflow.run_name=mine")
     assert run_name(chosen, overrides=["optimizer.lr=0.2"]) == "mine"  # the user's name wins
 

@@ -111,7 +111,23 @@ def _safe_name(name: str) -> str:
 
 
 def _select(args: argparse.Namespace) -> tuple[str, str, list[RunRecord]]:
-    """(report name, title, runs) for --experiment and/or --sweep."""
+    """(report name, title, runs) for --experiment and/or --sweep; a store that cannot be read
+    (a file that is not SQLite, a server that answers something else) is one `QueryError`
+    line, worded as run.py words it, instead of MLflow's and SQLAlchemy's tracebacks."""
+    try:
+        return _selected(args)
+    except AccelexpError:
+        raise
+    except Exception as error:
+        uri = credentials.redact(args.tracking_uri)
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise query.QueryError(
+            f"Cannot use the MLflow store {uri}: {credentials.redact(first)}. Give "
+            f"--tracking-uri the store run.py wrote (e.g. sqlite:///outputs/mlflow.db)."
+        ) from error
+
+
+def _selected(args: argparse.Namespace) -> tuple[str, str, list[RunRecord]]:
     uri = args.tracking_uri
     if args.sweep is None:
         records = query.experiment_runs(uri, query.experiment_id(uri, args.experiment))

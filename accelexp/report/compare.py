@@ -408,11 +408,14 @@ class Group:
         return [self.measured[r.run_id][0] for r in self.shown]  # type: ignore[misc]
 
     def throughput(self) -> Estimate | None:
-        """One run's figure (with its own interval), or the repeats' mean with a t interval."""
+        """One run's figure (with its own interval), or the repeats' geometric mean with the t
+        interval of the logs (never below 0)."""
         samples = self.samples()
         if not samples:
             return None
-        return samples[0] if len(samples) == 1 else stats.across_repeats([e.value for e in samples])
+        if len(samples) == 1:
+            return samples[0]
+        return stats.across_repeats_log([e.value for e in samples])
 
     def by_repeat(self) -> dict[str, Estimate]:
         """The usable runs' throughputs by repeat index (the key ratios pair them by)."""
@@ -435,7 +438,8 @@ class Group:
 
     def name(self) -> str:
         name = self.first.name
-        return re.sub(r" r\d+$", "", name) if len(self.records) > 1 else name
+        # a repeat's name starts with `r2 ` (stores written before: ends in ` r2`)
+        return re.sub(r"^r\d+ | r\d+$", "", name) if len(self.records) > 1 else name
 
 
 def ratio(row: Group, base: Group) -> Estimate:

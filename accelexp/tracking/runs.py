@@ -609,10 +609,11 @@ def run_name(
 
     In a sweep what the jobs differ in comes first, in short (`np2`, `amp`, `lr=0.2`), then the
     rest of the name: `np2 amp simple_cnn-ddp`. The MLflow UI cuts names at about 15 characters,
-    so rows stay told apart; no two jobs of a sweep share a name: repeats end in ` r1`, ` r2`..."""
-    repeat = f" r{cfg.repeat_index + 1}" if cfg.repeats > 1 else ""
+    so rows stay told apart; no two jobs of a sweep share a name: repeats start with `r1 `,
+    `r2 `... (what differs first, so the cut names still tell repeats apart)."""
+    repeat = f"r{cfg.repeat_index + 1} " if cfg.repeats > 1 else ""
     if cfg.mlflow.run_name:
-        return cfg.mlflow.run_name + repeat
+        return repeat + cfg.mlflow.run_name
     parts = _name_parts(cfg, speed, parallelism or {"parallelism": cfg.parallelism.name})
     swept = [k for k in os.environ.get(SWEPT_KEYS_ENV, "").split(",") if k]
     values = {}
@@ -621,7 +622,7 @@ def run_name(
         values[key] = value
     shown = [key for key in swept if key in values]
     rest = "-".join(part for key, part in parts.items() if key not in shown)
-    return " ".join([*(_short(key, values[key]) for key in shown), rest]) + repeat
+    return repeat + " ".join([*(_short(key, values[key]) for key in shown), rest])
 
 
 def _short(key: str, value: str) -> str:

@@ -67,12 +67,18 @@ class RepeatSweeper(BasicSweeper):
     def split_arguments(  # type: ignore[override]  # called on the instance by `sweep`
         self, overrides: list[Override], max_batch_size: int | None
     ) -> list[list[list[str]]]:
-        from accelexp.sweeper import plan
+        from accelexp.sweeper import check_configurations, plan
 
-        assert self.config is not None
-        (jobs,) = BasicSweeper.split_arguments(overrides, None)
-        self.configurations = jobs  # the product, before repeats (`accelexp.lockstep.sweep`)
-        jobs = plan(overrides, jobs, self.config)
+        assert self.config is not None and self.hydra_context is not None
+        loader = self.hydra_context.config_loader
+        (configurations,) = BasicSweeper.split_arguments(overrides, None)
+        self.configurations = configurations  # before repeats (`accelexp.lockstep.sweep`)
+        jobs = plan(overrides, configurations, self.config)
+        check_configurations(
+            overrides,
+            configurations,
+            lambda job: loader.load_sweep_config(master_config=self.config, sweep_overrides=job),
+        )
         return list(BasicSweeper.split_overrides_to_chunks(jobs, max_batch_size))
 
     def sweep(self, arguments: list[str]) -> Any:
