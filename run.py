@@ -61,7 +61,8 @@ def main(cfg: DictConfig) -> float | list[float] | None:
     in_sweep = hydra_cfg.mode == RunMode.MULTIRUN
     in_lockstep = lockstep_gate.in_lockstep()  # a job a lockstep sweep started (run.py, not -m)
     # a reused run folder: the run recorded there is another job's, never this one's to close
-    (Path(output_dir) / RUN_ID_FILE).unlink(missing_ok=True)
+    if not lockstep_gate.reincarnated():  # a lockstep job's next process: its own folder
+        (Path(output_dir) / RUN_ID_FILE).unlink(missing_ok=True)
     try:
         if not (in_sweep or in_lockstep):
             check_one_job_of_a_study(hydra_cfg.sweeper.get("params") or {}, overrides)

@@ -173,6 +173,7 @@ def run(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = ()) 
         # when it failed, before the teardown below makes the other ranks fail in turn: the
         # launcher names the earliest failure as the cause (accelexp.worker, launch)
         error.failed_at_ns = time.time_ns()
+        gate.close(why=f"{type(error).__name__}: {error}".splitlines()[0][:200])
         raise
     finally:
         gate.close()  # the turn is handed on once the run is closed, whatever its end

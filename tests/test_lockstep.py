@@ -24,8 +24,8 @@ from test_sweeps import TINY, runs_of, sweep
 
 from accelexp import stats
 from accelexp.lockstep.sweep import memory_problem
-from accelexp.record import COMPARE, LOCKSTEP_SAMPLES_PER_S, REPEAT_INDEX, lockstep_file
-from accelexp.report import compare
+from accelexp.record import COMPARE, LOCKSTEP_INCARNATION, REPEAT_INDEX, lockstep_file
+from accelexp.report.compare import group, ratio
 from accelexp.tracking import query
 
 TURN_OF_ONE_STEP = ("compare=lockstep", "lockstep.slice_steps=1", "lockstep.warmup_rounds=0")
@@ -74,17 +74,28 @@ def test_the_ranks_of_a_job_take_each_turn_together(taking_turns) -> None:
         assert not any(granted < end < back for _, granted, back in single)
 
 
-def test_lockstep_runs_are_paired_by_round_in_the_report(taking_turns) -> None:
+def test_lockstep_runs_are_paired_by_round_and_process_in_the_report(taking_turns) -> None:
+    """The one-process job went on in a fresh process after epoch 1 (`epochs_per_process=1`),
+    the DDP job's workers lived the whole run: the rounds pair into two incarnations."""
     _, uri, _ = taking_turns
     parent, children = runs_of(uri)
     assert parent.info.status == "FINISHED"
+    assert {c.info.status for c in children} == {"FINISHED"}
     assert {c.data.tags[COMPARE] for c in children} == {"lockstep"}
     client = MlflowClient(uri)
-    for child in children:  # every timed turn after the first epoch, by round
-        assert client.get_metric_history(child.info.run_id, LOCKSTEP_SAMPLES_PER_S)
-    rows = compare(query.child_runs(uri, parent.info.run_id), baseline="world_size=1")
-    ddp = next(r for r in rows if r.world_size == 2)
-    assert ddp.paired.startswith("lockstep: 1 incarnation"), ddp.paired
+    processes = {
+        c.data.tags["world_size"]: {
+            m.value for m in client.get_metric_history(c.info.run_id, LOCKSTEP_INCARNATION)
+        }
+        for c in children
+    }
+    assert processes == {"1": {0.0, 1.0}, "2": {0.0}}, processes
+    single, ddp = sorted(
+        group(query.child_runs(uri, parent.info.run_id)),
+        key=lambda g: g.first.tags["world_size"],
+    )
+    paired = ratio(ddp, single)
+    assert paired.method.startswith("lockstep: t over 2 incarnations"), paired
 
 
 def test_a_crashed_job_ends_alone_and_the_others_go_on(
@@ -139,13 +150,14 @@ def test_lockstep_refuses_a_launcher_it_cannot_hand_turns_to(
 def test_a_precision_target_stops_sampling(tmp_path: Path, mlflow_template_db: Path) -> None:
     """A target met at once stops at the least repeats an interval needs; one that cannot be
     met runs up to max_repeats and says the budget was spent."""
-    met, uri = sweep(tmp_path / "met", mlflow_template_db, "+mlflow.tags.side=a,b",
+    measurable = ("data.num_train=1024", "max_steps_per_epoch=16", "epochs=1")  # 12 timed steps
+    met, uri = sweep(tmp_path / "met", mlflow_template_db, "+mlflow.tags.side=a,b", *measurable,
                      "precision_target=0.99", "max_repeats=4")  # fmt: skip
     assert met.returncode == 0, output_of(met)
     assert "precision target ±99 % reached" in output_of(met)
     assert {c.data.tags[REPEAT_INDEX] for c in runs_of(uri)[1]} == {"0", "1"}
     spent, uri = sweep(tmp_path / "spent", mlflow_template_db, "+mlflow.tags.side=a,b",
-                       "precision_target=0.000001", "max_repeats=3")  # fmt: skip
+                       *measurable, "precision_target=0.000001", "max_repeats=3")  # fmt: skip
     assert spent.returncode == 0, output_of(spent)
     assert "budget spent at" in output_of(spent)
     assert {c.data.tags[REPEAT_INDEX] for c in runs_of(uri)[1]} == {"0", "1", "2"}
@@ -168,5 +180,5 @@ def test_jobs_that_would_not_fit_one_gpu_together_are_refused() -> None:
     fits = {"precision=fp32": 30 * 1024.0, "precision=bf16": 20 * 1024.0}
     assert memory_problem(fits, device_mb=64 * 1024.0) == ""
     problem = memory_problem(fits, device_mb=40 * 1024.0)
-    assert "add up to 50.0 GiB (precision=fp32 30.0 GiB, precision=bf16 20.0 GiB" in problem
+    assert "adds up to 50.0 GiB (precision=fp32 30.0 GiB, precision=bf16 20.0 GiB" in problem
     assert "Use compare=repeats" in problem

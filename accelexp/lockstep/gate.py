@@ -46,8 +46,9 @@ class Gate(Protocol):
         """Hand back the turn held, wait for the next; its round."""
         ...
 
-    def close(self, again: bool = False) -> None:
-        """The job's part ends (`again`: it goes on in a fresh process: `Reincarnation`)."""
+    def close(self, again: bool = False, why: str = "") -> None:
+        """The job's part ends (`again`: it goes on in a fresh process: `Reincarnation`; `why`:
+        its run failed or was stopped, and why)."""
         ...
 
     def keep_record(self, path: Path, step_ends: list[float]) -> None:
@@ -65,7 +66,7 @@ class NoGate:
     def turn(self) -> int:
         return 0
 
-    def close(self, again: bool = False) -> None:
+    def close(self, again: bool = False, why: str = "") -> None:
         pass
 
     def keep_record(self, path: Path, step_ends: list[float]) -> None:
@@ -108,7 +109,7 @@ class LockstepGate:
         self._granted = (round_, time.monotonic())
         return round_
 
-    def close(self, again: bool = False) -> None:
+    def close(self, again: bool = False, why: str = "") -> None:
         if self.conn.closed:
             return
         if self._granted is not None:
@@ -119,7 +120,7 @@ class LockstepGate:
             with contextlib.suppress(OSError):
                 path.write_text(json.dumps({"turns": self.turns, "step_ends": step_ends}))
         with contextlib.suppress(OSError):
-            self.conn.send(("again",) if again else ("bye",))
+            self.conn.send(("again",) if again else ("bye", why))
             self.conn.close()
 
 
@@ -145,6 +146,11 @@ def reincarnate() -> None:
     own folder's last checkpoint (`checkpoint.restarted`, through `INCARNATION_ENV`)."""
     os.environ[INCARNATION_ENV] = str(int(os.environ.get(INCARNATION_ENV) or 0) + 1)
     os.execv(sys.executable, [sys.executable, *sys.argv])
+
+
+def reincarnated() -> bool:
+    """Whether this process goes on with a run an earlier process of its job started."""
+    return int(os.environ.get(INCARNATION_ENV) or 0) > 0
 
 
 def in_lockstep() -> bool:

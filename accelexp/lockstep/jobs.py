@@ -20,14 +20,13 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
-
 from accelexp.lockstep.turns import Turns
 from accelexp.processes import GRACE_S, die_with_parent
+from accelexp.tracking.runs import FAILED, KILLED
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +51,14 @@ def run_incarnation(
     sweep_dir: Path,
     environment: Mapping[str, str],
     names: Sequence[str],
+    close_unclosed: Callable[[JobEnd, str], None],
 ) -> tuple[list[JobEnd], list[str]]:
     """Run `jobs` (overrides each) side by side in lockstep; their ends, and what `Turns` had
-    to say (a job that failed while the others went on)."""
+    to say (a job that failed while the others went on). A job that ended non-zero and left
+    its run open has it closed (`close_unclosed(end, status)`): KILLED when the sweep was
+    stopped, else FAILED."""
     turns = Turns(list(names))
+    status = FAILED  # of a run a job left open
     processes: list[subprocess.Popen] = []
     ends: list[JobEnd] = []
     try:
@@ -80,6 +83,7 @@ def run_incarnation(
                 waiter.join(0.5)
     except KeyboardInterrupt:
         _stop(processes)
+        status = KILLED
         raise
     finally:
         for process in processes:  # nothing outlives the incarnation
@@ -87,17 +91,11 @@ def run_incarnation(
                 process.kill()
             process.wait()
         turns.close()
-    for end, process in zip(ends, processes, strict=True):
-        end.returncode = process.returncode
+        for end, process in zip(ends, processes, strict=False):
+            end.returncode = process.returncode
+            if end.returncode != 0:
+                close_unclosed(end, status)
     return ends, turns.said
-
-
-def close_unclosed(mlflow_cfg: DictConfig, end: JobEnd) -> None:
-    """A job that died without closing its run (SIGKILL, the OOM killer): its run FAILED, not
-    left RUNNING."""
-    from accelexp.tracking.runs import FAILED, FINISHED, KILLED, close_run
-
-    close_run(mlflow_cfg, end.output_dir, FAILED, keep=(FINISHED, FAILED, KILLED))
 
 
 def _wait(turns: Turns, index: int, process: subprocess.Popen) -> None:

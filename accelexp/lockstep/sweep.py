@@ -175,12 +175,16 @@ class Repeats:
         environment = dict(getattr(sweep, "environment", {}) or {})
         names = self.names(batch)
         ends, _said = lockstep_jobs.run_incarnation(
-            batch, number, self.sweep_dir, environment, names
+            batch, number, self.sweep_dir, environment, names, self._close_unclosed
         )
-        failed = [end for end in ends if end.returncode != 0]
-        for end in failed:
-            lockstep_jobs.close_unclosed(self.config.mlflow, end)
         return ends
+
+    def _close_unclosed(self, end: lockstep_jobs.JobEnd, status: str) -> None:
+        """A job that died without closing its run (SIGKILL, the OOM killer, a signal while
+        its next process started): its run closed as `status`, never left RUNNING."""
+        from accelexp.tracking.runs import FAILED, FINISHED, KILLED, close_run
+
+        close_run(self.config.mlflow, end.output_dir, status, keep=(FINISHED, FAILED, KILLED))
 
     def names(self, jobs: Sequence[Sequence[str]]) -> list[str]:
         """Each job by the overrides that tell it apart from the sweep's other jobs."""
@@ -204,8 +208,8 @@ class Repeats:
         rows = compare(records, strict=False)
         widest, worst = -1.0, ""
         for row in rows:
-            if row.baseline_run is None or row.run_id == row.baseline_run:
-                continue
+            if row.baseline_run is None or row.baseline_run == row.run_name:
+                continue  # no baseline, or the baseline itself
             if row.speedup is None or row.speedup_low is None or row.speedup_high is None:
                 return Precision(repeats, None, row.run_name)
             half = (math.log(row.speedup_high) - math.log(row.speedup_low)) / 2

@@ -113,7 +113,7 @@ class Turns:
             except (EOFError, OSError):
                 self.events.put(("broken", job, rank))
                 return
-            self.events.put((message[0], job, rank))
+            self.events.put((message[0], job, rank, *message[1:]))
             if message[0] in ("bye", "again"):
                 return
 
@@ -142,8 +142,11 @@ class Turns:
         elif kind == "ready":
             job.asking.add(rest[0])
         elif kind == "bye":
-            job.byes.add(rest[0])
-            if job.world is not None and len(job.byes) == job.world and job.state == LIVE:
+            rank, why = rest[0], rest[1] if len(rest) > 1 else ""
+            job.byes.add(rank)
+            if why:  # its run failed or was stopped
+                self._fail(index, f"its rank {rank} stopped: {why}")
+            elif job.world is not None and len(job.byes) == job.world and job.state == LIVE:
                 job.state = FINISHED
         elif kind == "broken" and rest[0] not in job.byes | job.restarting:
             self._fail(index, f"its rank {rest[0]} went away")
