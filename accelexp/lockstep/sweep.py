@@ -21,7 +21,6 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from accelexp import outcome
 from accelexp.errors import ConfigError
 from accelexp.lockstep import jobs as lockstep_jobs
 from accelexp.sweeper import repeated
@@ -110,11 +109,15 @@ class Repeats:
         configurations: list[list[str]],
         launch: Callable[[list[list[str]], int], object],
         compose: Callable[[list[str]], DictConfig],
+        sweep: object,
     ) -> None:
         """`launch(batch, first_job_number)`: Hydra's launcher, for `compare=repeats`;
-        `compose(overrides)`: a job's config."""
+        `compose(overrides)`: a job's config; `sweep`: the sweep callback whose parent run is
+        open (`accelexp.callbacks.MlflowSweep`: its `run_id`, and the `environment` that makes
+        a job's run its child), None without one."""
         self.config = config
         self.compose = compose
+        self.sweep = sweep
         self.configurations = configurations
         self.launch = launch
         self.sweep_dir = Path(config.hydra.sweep.dir)
@@ -171,8 +174,7 @@ class Repeats:
     def _one_repeat(self, batch: list[list[str]], number: int) -> object:
         if not self.lockstep:
             return self.launch(batch, number)
-        sweep = outcome.current_sweep_state().running
-        environment = dict(getattr(sweep, "environment", {}) or {})
+        environment = dict(getattr(self.sweep, "environment", {}) or {})
         names = self.names(batch)
         ends, _said = lockstep_jobs.run_incarnation(
             batch, number, self.sweep_dir, environment, names, self._close_unclosed
@@ -200,8 +202,7 @@ class Repeats:
         from accelexp.report.compare import compare
         from accelexp.tracking.query import child_runs
 
-        sweep = outcome.current_sweep_state().running
-        run_id = getattr(sweep, "run_id", None)
+        run_id = getattr(self.sweep, "run_id", None)
         if run_id is None:
             return Precision(repeats, None, "the sweep has no parent run")
         records = child_runs(self.config.mlflow.tracking_uri, run_id)

@@ -102,8 +102,11 @@ class RepeatSweeper(BasicSweeper):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         self.validate_batch_is_legal(self.configurations)
+        from accelexp import outcome
+
+        sweep = outcome.current_sweep_state().running  # its parent run, for the jobs and ratios
         return by_repeat.Repeats(
-            self.config, self.configurations, self._launch, self._compose
+            self.config, self.configurations, self._launch, self._compose, sweep
         ).run()
 
     def _compose(self, overrides: list[str]) -> DictConfig:
