@@ -47,6 +47,7 @@ def taking_turns(tmp_path_factory: pytest.TempPathFactory, mlflow_template_db: P
     return result, uri, tmp / "sweep"
 
 
+@pytest.mark.alone  # slices a neighbour shared are set aside: no other test beside it
 def test_no_step_of_a_job_runs_during_another_jobs_turn(taking_turns) -> None:
     result, _, folder = taking_turns
     assert result.returncode == 0, output_of(result)
@@ -63,6 +64,7 @@ def test_no_step_of_a_job_runs_during_another_jobs_turn(taking_turns) -> None:
     assert rounds == sorted(rounds), "one turn of each job per round, round after round"
 
 
+@pytest.mark.alone  # slices a neighbour shared are set aside: no other test beside it
 def test_the_ranks_of_a_job_take_each_turn_together(taking_turns) -> None:
     _, _, folder = taking_turns
     (rank0, _), (rank1, steps1) = windows(folder / "1", 0), windows(folder / "1", 1)
@@ -74,6 +76,7 @@ def test_the_ranks_of_a_job_take_each_turn_together(taking_turns) -> None:
         assert not any(granted < end < back for _, granted, back in single)
 
 
+@pytest.mark.alone  # slices a neighbour shared are set aside: no other test beside it
 def test_lockstep_runs_are_paired_by_round_and_process_in_the_report(taking_turns) -> None:
     """The one-process job went on in a fresh process after epoch 1 (`epochs_per_process=1`),
     the DDP job's workers lived the whole run: the rounds pair into two incarnations."""
@@ -147,6 +150,7 @@ def test_lockstep_refuses_a_launcher_it_cannot_hand_turns_to(
     assert "compare=lockstep runs the sweep's jobs side by side" in output_of(result)
 
 
+@pytest.mark.alone  # slices a neighbour shared are set aside: no other test beside it
 def test_a_precision_target_stops_sampling(tmp_path: Path, mlflow_template_db: Path) -> None:
     """A target met at once stops at the least repeats an interval needs; one that cannot be
     met runs up to max_repeats and says the budget was spent."""

@@ -472,7 +472,9 @@ class Config:
     profiler: ProfilerConfig = section(ProfilerConfig, "what profile true traces", SPEED)
     max_batch: MaxBatchConfig = section(MaxBatchConfig, "the largest batch that fits", NOTHING)
     autotune: AutotuneConfig = section(AutotuneConfig, "the autotune loop's budget", NOTHING)
-    lockstep: LockstepConfig = section(LockstepConfig, "compare=lockstep's turns", NOTHING)
+    lockstep: LockstepConfig = section(
+        LockstepConfig, "the turns of a lockstep comparison", NOTHING
+    )
     debug: DebugConfig = section(DebugConfig, "test hooks", SPEED)
 
 
