@@ -204,17 +204,20 @@ def across_repeats_log(values: Sequence[float], confidence: float = CONFIDENCE) 
     sample = _array(values, "across_repeats_log")
     if not np.all(sample > 0):
         raise ValueError(f"across_repeats_log needs positive values, got {sample.tolist()}")
-    logs = np.log(sample)
-    centre = float(logs.mean())
     if sample.size < 2:
         return Estimate(float(sample[0]), n=1)
-    half = _t_halfwidth(logs, confidence)
+    return _t_of_logs(np.log(sample), confidence, "t (log)")
+
+
+def _t_of_logs(logs: np.ndarray, confidence: float, method: str, n: int | None = None) -> Estimate:
+    """The t interval of the mean of `logs` (2 or more), value and bounds taken back with exp."""
+    centre, half = float(logs.mean()), _t_halfwidth(logs, confidence)
     return Estimate(
         math.exp(centre),
         math.exp(centre - half),
         math.exp(centre + half),
-        n=sample.size,
-        method="t (log)",
+        n=logs.size if n is None else n,
+        method=method,
     )
 
 
@@ -226,16 +229,7 @@ def _values(side: Sequence[Estimate], what: str) -> np.ndarray:
 
 
 def _paired_ratio(num: np.ndarray, den: np.ndarray, confidence: float) -> Estimate:
-    logs = np.log(num / den)
-    centre = float(logs.mean())
-    half = _t_halfwidth(logs, confidence)
-    return Estimate(
-        math.exp(centre),
-        math.exp(centre - half),
-        math.exp(centre + half),
-        n=logs.size,
-        method="paired t (log ratio)",
-    )
+    return _t_of_logs(np.log(num / den), confidence, "paired t (log ratio)")
 
 
 def _ratio_of_means(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -340,12 +334,8 @@ def lockstep_ratio(
     if not means:
         raise ValueError("lockstep_ratio needs at least one paired round")
     if len(means) >= 2:
-        sample = np.asarray(means)
-        centre, half = float(sample.mean()), _t_halfwidth(sample, confidence)
         method = f"lockstep: t over {len(means)} incarnations ({rounds} rounds)"
-        return Estimate(
-            math.exp(centre), math.exp(centre - half), math.exp(centre + half), rounds, method
-        )
+        return _t_of_logs(np.asarray(means), confidence, method, n=rounds)
     within = batch_means(series[0], confidence)
     if not within.has_interval:
         return Estimate(math.exp(within.value), n=rounds)

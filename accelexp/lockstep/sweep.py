@@ -30,7 +30,7 @@ MIN_REPEATS_FOR_TARGET = 2  # an interval over repeats (incarnations) needs two
 
 
 @dataclass
-class Precision:
+class Sampled:
     """The sweep's ratios after some repeats: the widest 95 % half-width, relative, and which."""
 
     repeats: int
@@ -197,14 +197,14 @@ class Repeats:
             for i, job in enumerate(jobs)
         ]
 
-    def precision(self, repeats: int) -> Precision:
+    def precision(self, repeats: int) -> Sampled:
         """The widest relative half-width of the sweep's ratios, as the report computes them."""
         from accelexp.report.compare import compare
         from accelexp.tracking.query import child_runs
 
         run_id = getattr(self.sweep, "run_id", None)
         if run_id is None:
-            return Precision(repeats, None, "the sweep has no parent run")
+            return Sampled(repeats, None, "the sweep has no parent run")
         records = child_runs(self.config.mlflow.tracking_uri, run_id)
         rows = compare(records, strict=False)
         widest, worst = -1.0, ""
@@ -212,11 +212,11 @@ class Repeats:
             if row.baseline_run is None or row.baseline_run == row.run_name:
                 continue  # no baseline, or the baseline itself
             if row.speedup is None or row.speedup_low is None or row.speedup_high is None:
-                return Precision(repeats, None, row.run_name)
+                return Sampled(repeats, None, row.run_name)
             half = (math.log(row.speedup_high) - math.log(row.speedup_low)) / 2
             relative = math.expm1(half)
             if relative > widest:
                 widest, worst = relative, row.run_name
         if widest < 0:
-            return Precision(repeats, None, "no ratio to measure")
-        return Precision(repeats, widest, worst)
+            return Sampled(repeats, None, "no ratio to measure")
+        return Sampled(repeats, widest, worst)
