@@ -36,6 +36,7 @@ from accelexp.report import (
     write_sweep_report,
 )
 from accelexp.report.cli import sweep_title
+from accelexp.report.compare import everything_set_aside
 from accelexp.tracking import query
 from accelexp.tracking.query import RunRecord
 from accelexp.train import run
@@ -477,8 +478,17 @@ def test_a_contended_run_is_marked_and_left_out_of_every_ratio():
     rows = {row.precision: row for row in compare([quiet, noisy])}
     amp = rows["amp"]
     assert amp.samples_per_s == 300 and amp.amp_gain is None and amp.speedup is None
-    assert amp.label == "amp [contended]"
+    assert amp.noise == "contended" and amp.label == "amp"  # marked in a column, not the name
     assert amp.note == f"contended ({evidence}); its speed is left out of every ratio"
+    # the default table: the mark in a `noise` column of its own, whatever the name's width
+    rows["amp"].run_name = "r1 simple_cnn-horovod-np2-amp-with-a-name-longer-than-its-column"
+    lines = brief_table([rows["fp32"], rows["amp"]]).splitlines()
+    header = next(line for line in lines if "samples/s" in line)
+    assert "noise" in header
+    marked = [line for line in lines if "contended" in line and "300" in line]
+    assert len(marked) == 1 and header.index("noise") <= marked[0].index("contended")
+    assert max(len(line) for line in lines) <= BRIEF_WIDTH
+    assert "noise" not in brief_table([rows["fp32"]])  # no contended row: no column
     # a contended baseline is no baseline: the other rows say so
     noisy_base = record("fp32", "single", 1, "fp32", [100, 100], tags=contended)
     clean = compare([noisy_base, record("amp2", "single", 1, "amp", [90, 90])])[1]
@@ -487,6 +497,57 @@ def test_a_contended_run_is_marked_and_left_out_of_every_ratio():
         "the like-for-like baseline, fp32, has no throughput: contended; "
         "the like-for-like fp32 run, fp32, has no throughput: contended"
     )
+
+
+def brief_table(rows) -> str:
+    """The default rich table of `rows`, as `accelexp-report` prints it into a pipe."""
+    from rich.console import Console
+
+    from accelexp.report.formats import RUNS_BRIEF, render_table
+
+    console = Console(width=BRIEF_WIDTH, record=True, file=io.StringIO())
+    console.print(render_table(rows, "t", RUNS_BRIEF), width=BRIEF_WIDTH)
+    return console.export_text()
+
+
+def test_when_every_run_was_set_aside_one_line_says_so_and_what_to_do():
+    evidence = "other processes used 1.0 of 2 cores while it was timed"
+    records = [
+        repeat(p, i, v, contended=evidence)
+        for i in range(3)
+        for p, v in (("fp32", 100.0 + i), ("amp", 150.0 + i))
+    ]
+    rows = compare(records)
+    assert all(row.noise == "contended" and row.speedup is None for row in rows)
+    assert [row.note for row in rows] == ["", ""]  # not the evidence once per repeat per row
+    line = everything_set_aside(records)
+    assert "all 6 runs" in line and line.count(evidence) == 1
+    assert "compare=lockstep" in line and "quiet machine" in line
+    markdown = to_markdown(rows, summary=line)
+    assert markdown.count(evidence) == 1 and line in markdown
+    # one quiet run: its rows say what was set aside, and no line is needed
+    records[0] = repeat("fp32", 0, 100.0)
+    assert everything_set_aside(records) == ""
+    assert evidence in compare(records)[0].note
+
+
+@pytest.mark.parametrize(
+    ("speedup", "efficiency"),
+    [
+        ((1.05, 0.96, 1.16), "no measurable difference (0.48–0.58)"),
+        ((1.82, 1.75, 1.90), "0.91 (0.88–0.95)"),
+    ],
+)
+def test_an_efficiency_reads_no_measurable_difference_where_its_speedup_does(speedup, efficiency):
+    row = compare([record("fp32", "single", 1, "fp32", [100, 100])])[0]
+    row.speedup, row.speedup_low, row.speedup_high = speedup
+    row.scaling_efficiency, row.scaling_efficiency_low, row.scaling_efficiency_high = (
+        value / 2 for value in speedup
+    )
+    from accelexp.report.formats import RUNS_BRIEF
+
+    assert RUNS_BRIEF.text(row, "scaling_efficiency") == efficiency
+    assert efficiency in to_markdown([row])
 
 
 @pytest.mark.parametrize(

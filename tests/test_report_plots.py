@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 from matplotlib.colors import to_hex
-from matplotlib.container import BarContainer
+from matplotlib.container import BarContainer, ErrorbarContainer
 from matplotlib.lines import Line2D
+from scipy import stats as scipy_stats
 
 from accelexp.report import compare
 from accelexp.report.compare import Row
@@ -22,6 +24,7 @@ from accelexp.report.plots import (
     AMP_GAIN_PLOT,
     IDEAL_LABEL,
     LADDER_PLOT,
+    MIN_ACCURACY_SPAN,
     PLOT_NAMES,
     accuracy_vs_time_figure,
     amp_gain_figure,
@@ -86,6 +89,16 @@ def series_lines(axes) -> list[Line2D]:
 def legend_texts(figure) -> list[str]:
     (legend,) = figure.legends
     return [text.get_text() for text in legend.get_texts()]
+
+
+def interval_bars(axes) -> list:
+    """(low, high) of each error bar drawn, rounded to compare with figures made by hand."""
+    return [
+        [pytest.approx(y) for y in segment[:, 1]]
+        for container in axes.containers
+        if isinstance(container, ErrorbarContainer)
+        for segment in container.lines[2][0].get_segments()
+    ]
 
 
 def assert_distinct_styles(lines: Sequence[Line2D]) -> None:
@@ -233,6 +246,23 @@ def test_efficiency_from_zero_with_one_reference_line_matching_its_legend():
     assert_legend_outside(figure)
 
 
+def test_runs_all_of_one_worker_count_draw_no_efficiency_and_throughput_as_bars():
+    rows = [make_row("single", 1, p, v) for p, v in (("fp32", 100.0), ("amp", 104.0))]
+    rows[1].samples_per_s_low, rows[1].samples_per_s_high = 95.0, 113.0
+    rows[0].noise = "contended"
+    assert efficiency_figure(rows) is None  # nothing scaled: only the speedup again
+    figure = throughput_figure(rows)
+    (axes,) = figure.axes
+    assert "vs workers" not in axes.get_title() and "1 worker each" in axes.get_title()
+    bars = [bar for c in axes.containers if isinstance(c, BarContainer) for bar in c]
+    assert [bar.get_height() for bar in bars] == [100.0, 104.0]
+    assert axes.get_ylim()[0] == 0
+    assert [95.0, 113.0] in interval_bars(axes)  # the row's 95 % interval
+    assert bars[0].get_hatch() and not bars[1].get_hatch()  # the contended one hatched
+    assert "(contended)" in axes.get_xticklabels()[0].get_text()
+    assert legend_texts(figure) == ["single fp32", "single amp"]
+
+
 # --- AMP gain -----------------------------------------------------------------------------------
 def test_amp_gain_bars_stand_at_the_rows_gains_side_by_side_with_their_values():
     rows = amp_study()
@@ -294,6 +324,61 @@ def test_accuracy_vs_time_from_zero_one_distinct_line_per_run():
     assert legend_texts(figure)[0] == "ddp ×1 amp"
     assert legend_texts(figure)[-1] == "horovod ×2 amp (KILLED)"
     assert_legend_outside(figure)
+
+
+def test_identical_runs_are_not_drawn_apart_on_a_hairline_accuracy_axis():
+    rows = [make_row("single", 1, p, 100.0) for p in ("amp", "bf16")]
+    records = [record_for(row, 5.0) for row in rows]
+    records[1].histories["val_acc"] = [
+        (e, acc + 0.0007) for e, acc in records[0].history("val_acc")
+    ]
+    (axes,) = accuracy_vs_time_figure(rows, records).axes
+    low, high = axes.get_ylim()
+    assert high - low >= MIN_ACCURACY_SPAN and low >= 0 and high <= 1
+    records = [record_for(row, 5.0) for row in rows]
+    for record in records:  # all at one accuracy: still a span, centred on it
+        record.histories["val_acc"] = [(e, 0.75) for e in (1, 2, 3)]
+    low, high = accuracy_vs_time_figure(rows, records).axes[0].get_ylim()
+    assert high - low >= MIN_ACCURACY_SPAN and low < 0.75 < high
+
+
+def repeat_record(precision: str, index: int, accuracy: list[float]) -> RunRecord:
+    """Repeat `index` of `precision` in one sweep with repeats=3: its val_acc per epoch."""
+    return RunRecord(
+        run_id=f"{precision}{index}",
+        name=f"r{index + 1} {precision} simple_cnn-single",
+        status="FINISHED",
+        start_time=index,
+        tags={"parallelism": "single", "world_size": "1", "precision": precision,
+              "model": "simple_cnn", "data": "fashion_mnist", "repeats": "3",
+              "repeat_index": str(index), "config_id": precision,
+              "mlflow.parentRunId": "sweep"},
+        metrics={"timed_steps": 20},
+        histories={
+            "samples_per_s": [(1, 50.0), (2, 100.0)],
+            "val_acc": list(enumerate(accuracy, 1)),
+            "elapsed_s": [(1, 10.0 + index), (2, 20.0 + index)],
+        },
+    )  # fmt: skip
+
+
+def test_repeats_draw_their_mean_accuracy_with_its_interval():
+    accuracy = {"fp32": [[0.60, 0.70], [0.62, 0.74], [0.61, 0.72]], "amp": [[0.6, 0.7]] * 3}
+    records = [repeat_record(p, i, acc) for p, runs in accuracy.items()
+               for i, acc in enumerate(runs)]  # fmt: skip
+    rows = compare(records)
+    figure = accuracy_vs_time_figure(rows, records)
+    (axes,) = figure.axes
+    lines = {line.get_label(): line for line in series_lines(axes)}
+    assert set(lines) == {"single ×1 fp32 (mean of 3)", "single ×1 amp (mean of 3)"}
+    fp32 = lines["single ×1 fp32 (mean of 3)"]
+    assert list(fp32.get_xdata()) == pytest.approx([11.0, 21.0])  # the mean elapsed time
+    assert list(fp32.get_ydata()) == pytest.approx([0.61, 0.72])
+    # each point's bar: the t interval of the repeats' accuracies, computed here by hand
+    second = [0.70, 0.74, 0.72]
+    half = scipy_stats.t.ppf(0.975, 2) * np.std(second, ddof=1) / np.sqrt(3)
+    assert [0.72 - half, 0.72 + half] in interval_bars(axes)
+    assert "95 % interval over repeats" in axes.get_ylabel()
 
 
 # --- the ladder keeps working ---------------------------------------------------------------------

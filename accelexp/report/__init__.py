@@ -23,7 +23,9 @@ refused one says why, under the table).
   other beats on both, a table and `pareto.png` (every trial, the front marked).
 - `formats` — CSV, JSON, markdown and rich tables of any of them (the rich ones at a glance in
   100 columns, or `--wide`); summary/ladder/diagnosis files.
-- `plots` — the PNGs: throughput, efficiency, accuracy vs time, the ladder's bars, time breakdown.
+- `plots` — the PNGs: throughput (vs workers, or a bar per configuration at one worker count),
+  efficiency (only where workers vary), accuracy vs time (repeats as a mean with intervals), the
+  ladder's bars, time breakdown.
 - `cli` — `main` (the `accelexp-report` command) and `write_sweep_report` (a sweep's own report).
 
 `compare`, `ladder` and `diagnose` are pure (records in, rows out); the rest are thin layers on

@@ -38,6 +38,7 @@ from accelexp.report.compare import (
     MIN_STEADY_STEPS,
     Row,
     compare,
+    everything_set_aside,
     parse_baseline,
 )
 from accelexp.report.diagnose import DiagnosisRow, diagnose, footnote
@@ -98,10 +99,12 @@ def write_sweep_report(
     rows = compare(records, baseline, strict=False)
     rungs = ladder(records)
     front = pareto(records)
-    paths = write_tables(rows, out_dir, rungs) + write_plots(rows, records, out_dir, rungs)
+    summary = everything_set_aside(records)
+    paths = write_tables(rows, out_dir, rungs, summary) + write_plots(rows, records, out_dir, rungs)
     paths += write_front(front, out_dir)
     title = sweep_title(parent)
-    paths.append(write_html(title, rows, out_dir, rungs, paths, f"Baseline: {baseline}", front))
+    subtitle = f"Baseline: {baseline}"
+    paths.append(write_html(title, rows, out_dir, rungs, paths, subtitle, front, summary))
     query.log_artifacts(tracking_uri, sweep_run_id, paths, "report")
     return paths
 
@@ -238,15 +241,18 @@ def _print_tables(
     fmt: str,
     wide: bool = False,
     front: Front | None = None,
+    summary: str = "",
 ) -> None:
-    """The main table, then the ladder's and the Pareto front's when there are, in the format
-    asked for; rich tables at a glance (`RUNS_BRIEF`, `LADDER_BRIEF`: at most `BRIEF_WIDTH` wide)
-    unless `wide`."""
+    """The main table (`summary` under it), then the ladder's and the Pareto front's when there
+    are, in the format asked for; rich tables at a glance (`RUNS_BRIEF`, `LADDER_BRIEF`: at most
+    `BRIEF_WIDTH` wide) unless `wide`. CSV and JSON, for machines, say `summary` on stderr."""
     ladder_title = f"Speed-up ladder: {ladder_subject(rungs)}"
+    if summary and fmt in ("csv", "json"):
+        print(summary, file=sys.stderr)
     if fmt == "table":
         from rich.console import Console
 
-        tables = [render_table(rows, title, RUNS if wide else RUNS_BRIEF)]
+        tables = [render_table(rows, title, RUNS if wide else RUNS_BRIEF, summary or None)]
         if rungs:
             tables.append(render_table(rungs, ladder_title, LADDER if wide else LADDER_BRIEF))
         if front:
@@ -274,7 +280,7 @@ def _print_tables(
         sys.stdout.write(f"\n{to_csv(front.rows, front.layout)}" if front else "")
     else:
         ladder_section = f"\n### {ladder_title}\n\n{to_markdown(rungs, LADDER)}"
-        sys.stdout.write(to_markdown(rows) + (ladder_section if rungs else ""))
+        sys.stdout.write(to_markdown(rows, summary=summary) + (ladder_section if rungs else ""))
         sys.stdout.write(f"\n{front_markdown(front)}" if front else "")
 
 
@@ -339,14 +345,16 @@ def _comparison(
     rows = compare(records, args.baseline)
     rungs = ladder(records)
     front = pareto(records)
-    written = write_tables(rows, out_dir, rungs)
+    summary = everything_set_aside(records)
+    written = write_tables(rows, out_dir, rungs, summary)
     if not args.no_plots:
         written += write_plots(rows, records, out_dir, rungs)
     written += write_front(front, out_dir, plots=not args.no_plots)
     subtitle = f"Baseline: {args.baseline}"
-    written.append(write_html(title, rows, out_dir, rungs, written, subtitle, front))
+    written.append(write_html(title, rows, out_dir, rungs, written, subtitle, front, summary))
 
-    _print_tables(rows, rungs, f"{title} — baseline {args.baseline}", args.format, args.wide, front)
+    heading = f"{title} — baseline {args.baseline}"
+    _print_tables(rows, rungs, heading, args.format, args.wide, front, summary)
     plots = [*PLOT_NAMES, LADDER_PLOT] if rungs else list(PLOT_NAMES)
     plots += [PARETO_PLOT] if front else []
     _tell_written(written, out_dir, [] if args.no_plots else plots)

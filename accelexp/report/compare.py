@@ -30,7 +30,9 @@ samples/s the mean of the repeats with a t interval, a single run's its own batc
 `repeat_index` where both ran interleaved in one sweep, bootstrapped otherwise; accuracy is the
 mean ± sd over repeats, time to target MLPerf's olympic mean. A run tagged `noise=contended` is
 set aside: it is never behind a ratio or a baseline, a contended repeat is named in the note, a
-configuration with only contended runs is shown, marked, and compared with nothing.
+configuration with only contended runs is shown, marked (`Row.noise`), and compared with nothing.
+When every run of the selection was contended, `everything_set_aside` is one line saying so and
+what to do, and the rows' notes leave the contention out.
 
 A run that did not finish is a row with its status and no figures; one still RUNNING (on another
 host, or alive here: the query failed this host's runs whose process is gone) says so in its
@@ -168,10 +170,10 @@ class Row:
 
     @property
     def label(self) -> str:
-        """The run's name, with its status when it did not finish, and how many repeats."""
+        """The run's name, with its status when it did not finish, and how many repeats (a
+        contended row is marked in the `noise` column, which no column width cuts)."""
         name = self.run_name if self.status == "FINISHED" else f"{self.run_name} ({self.status})"
-        name = f"{name} ×{self.repeats}" if self.repeats > 1 else name
-        return f"{name} [contended]" if self.noise == NOISE_CONTENDED else name
+        return f"{name} ×{self.repeats}" if self.repeats > 1 else name
 
     def estimate(self, figure: str) -> Estimate | None:
         value = getattr(self, figure)
@@ -355,6 +357,23 @@ def contention(record: RunRecord) -> str:
     return record.tags.get(NOISE_EVIDENCE) or "other work shared the machine"
 
 
+def everything_set_aside(records: Sequence[RunRecord]) -> str:
+    """One line when every finished run of the selection was contended (so no ratio could be
+    taken): how many, one run's evidence, and what to do; else "". The rows' notes then leave
+    the contention out (`compare`), so the evidence is not repeated per repeat."""
+    finished = [r for r in records if r.status == "FINISHED"]
+    if not finished or not all(contention(r) for r in finished):
+        return ""
+    example = finished[0]
+    runs = "the 1 run" if len(finished) == 1 else f"all {len(finished)} runs"
+    return (
+        f"Every run was set aside: {runs} were timed while other work shared the machine "
+        f"(e.g. {example.name}: {contention(example)}), so no speedup or gain is shown. "
+        f"Measure again on a quiet machine, or with compare=lockstep (the configurations take "
+        f"turns, and a neighbour costs the slices it shared, not the runs)."
+    )
+
+
 def status_note(record: RunRecord) -> str:
     """Why a run that did not finish has no figures, where its status alone does not say it:
     still running (and where), or gone without a word (how that was found); else ""."""
@@ -527,7 +546,9 @@ def compare(
         raise BaselineError(_no_baseline_message(records, wanted))
     finished = [g for g in groups if g.finished]
     candidates = [g for g in finished if matches(g.first, wanted)]
-    comparison = _Comparison(wanted, candidates, finished)
+    # every run contended: `everything_set_aside` says so once, not each row per repeat
+    contended = bool(everything_set_aside(records))
+    comparison = _Comparison(wanted, candidates, finished, contended)
 
     rows = []
     for grouped in groups:
@@ -560,6 +581,7 @@ class _Comparison:
     wanted: dict[str, str]
     candidates: list[Group]
     finished: list[Group]
+    everything_contended: bool = False  # notes leave contention to `everything_set_aside`
 
     @property
     def speedup_varies(self) -> re.Pattern[str]:
@@ -581,7 +603,7 @@ class _Comparison:
         row.compile_s = statistics.median(compiles) if compiles else None
         peaks = [p for r in shown or finished if (p := peak_memory(r)) is not None]
         row.peak_mem_mb = max(peaks) if peaks else None
-        notes = self.set_aside(grouped)
+        notes = self.set_aside(grouped, contention_said=self.everything_contended)
         row.noise = NOISE_CONTENDED if grouped.contended else ""
         samples = grouped.throughput()
         if samples is None:
@@ -590,7 +612,8 @@ class _Comparison:
         row.set("samples_per_s", samples)
         row.repeats = len(shown)
         if grouped.contended:
-            row.note = "; ".join([*notes, "its speed is left out of every ratio"])
+            left_out = [] if self.everything_contended else ["its speed is left out of every ratio"]
+            row.note = "; ".join([*notes, *left_out])
             return
         mine = comparable_settings(grouped.first)
         selector = ",".join(f"{k}={v}" for k, v in self.wanted.items())
@@ -627,16 +650,18 @@ class _Comparison:
         row.note = "; ".join(notes)
 
     @staticmethod
-    def set_aside(grouped: Group) -> list[str]:
-        """Why some of a configuration's runs are not behind its figures."""
+    def set_aside(grouped: Group, contention_said: bool = False) -> list[str]:
+        """Why some of a configuration's runs are not behind its figures; with
+        `contention_said` (every run contended, said once under the table), the unfinished
+        ones only."""
         if len(grouped.records) == 1:
             why = contention(grouped.records[0])
-            return [f"contended ({why})"] if why else []
+            return [f"contended ({why})"] if why and not contention_said else []
         notes = []
         for record in grouped.records:
             if record.status != "FINISHED":
                 notes.append(f"{repeat_label(record)} {record.status}")
-            elif why := contention(record):
+            elif (why := contention(record)) and not contention_said:
                 notes.append(f"{repeat_label(record)} set aside: contended ({why})")
         return notes
 

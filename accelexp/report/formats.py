@@ -2,9 +2,10 @@
 
 One `Layout` per kind of row says which fields become columns and how a cell reads: `RUNS` for
 the main table (`compare.Row`) with every column, `RUNS_BRIEF` for the same rows at a glance in
-at most `BRIEF_WIDTH` columns (the default rich table; `accelexp-report --wide` prints `RUNS`),
-`LADDER` and `LADDER_BRIEF` for the speed-up ladder (`ladder.LadderRow`), `DIAGNOSIS` for where
-each run's time went (`diagnose.DiagnosisRow`). CSV and JSON carry every field unrounded with
+at most `BRIEF_WIDTH` columns (the default rich table, a contended row marked in a `noise`
+column of its own; `accelexp-report --wide` prints `RUNS`), `LADDER` and `LADDER_BRIEF` for the
+speed-up ladder (`ladder.LadderRow`), `DIAGNOSIS` for where each run's time went
+(`diagnose.DiagnosisRow`). CSV and JSON carry every field unrounded with
 blanks/null for missing figures, the rows' notes included; markdown and the rich table are
 rounded for reading, failed runs stand out, and each row's note (why a figure is blank: too short
 to measure, a comparison refused as not like for like) is listed under the table.
@@ -28,6 +29,9 @@ from accelexp.stats import Estimate
 
 BRIEF_WIDTH = 100  # the default rich table's width at most
 RATIOS = frozenset({"speedup", "amp_gain"})  # "no measurable difference" when 1.0 is inside
+# a figure derived from a ratio reads "no measurable difference" where that ratio does: an
+# efficiency is the speedup per added worker, no more measurable than the speedup itself
+FOLLOWS = {"scaling_efficiency": "speedup"}
 LADDER_NAMES = ("ladder.csv", "ladder.md")
 DIAGNOSIS_NAMES = ("diagnosis.csv", "diagnosis.md")
 
@@ -102,8 +106,9 @@ class Layout:
 
     def text(self, row: Any, key: str) -> str:
         """A row's cell: a figure with its 95 % interval, `1.82× (1.75–1.90)`, where the row
-        has one (`<key>_low`, `<key>_high`); a ratio whose interval includes 1.0 reads "no
-        measurable difference" with its interval, never as a gain or a loss."""
+        has one (`<key>_low`, `<key>_high`); a ratio whose interval includes 1.0, and the
+        efficiency beside such a speedup (`no_difference`), read "no measurable difference"
+        with their own interval, never as a gain or a loss."""
         value = getattr(row, key)
         low, high = getattr(row, f"{key}_low", None), getattr(row, f"{key}_high", None)
         if value is None or low is None or high is None:
@@ -113,10 +118,22 @@ class Layout:
         estimate = Estimate(value, low, high)
         if key in self.relative and (half := estimate.relative_halfwidth()) is not None:
             return f"{shape.format(value)} ±{100 * half:.0f}%"
-        if key in RATIOS and stats.verdict(estimate) == stats.NO_DIFFERENCE:
+        if self.no_difference(row, key):
             interval = stats.format_estimate(estimate, number).partition(" ")[2]
             return f"{stats.NO_DIFFERENCE} {interval}"
         return stats.format_estimate(estimate, number, suffix)
+
+    @staticmethod
+    def no_difference(row: Any, key: str) -> bool:
+        """Whether a row's figure reads "no measurable difference": a ratio (RATIOS) whose
+        interval holds 1.0, or a figure derived from one (FOLLOWS) where that ratio does."""
+        ratio = key if key in RATIOS else FOLLOWS.get(key)
+        if ratio is None or getattr(row, ratio, None) is None:
+            return False
+        low, high = getattr(row, f"{ratio}_low", None), getattr(row, f"{ratio}_high", None)
+        if low is None or high is None:
+            return False
+        return stats.verdict(Estimate(getattr(row, ratio), low, high)) == stats.NO_DIFFERENCE
 
 
 RATIO = "{:.2f}×"  # a speedup, a gain
@@ -153,6 +170,7 @@ RUNS = Layout(
         "test_acc_sd": "sd over repeats",
         "repeats": "repeats",
         "noise": "noise",
+        "paired": "paired",
         "time_to_target_s": "time to target (s)",
         "compile_s": "compile (s)",
         "peak_mem_mb": "peak mem (MB)",
@@ -160,15 +178,17 @@ RUNS = Layout(
     },
     display=RUNS_DISPLAY,
     plain_numbers=frozenset({"world_size", "repeats"}),
-    optional=frozenset({"compile_s", "device", "test_acc_sd", "noise"}),
+    optional=frozenset({"compile_s", "device", "test_acc_sd", "noise", "paired"}),
     note="note",
 )
 RUNS_BRIEF = RUNS.brief(  # what a user needs at a glance: what the run was, how fast, how good
-    # the run's label says its precision
+    # the run's label says its precision; `noise` (shown when a row is contended) marks a
+    # samples/s timed on a shared machine, in a column of its own that no width cuts
     [
         "label",
         "world_size",
         "samples_per_s",
+        "noise",
         "speedup",
         "scaling_efficiency",
         "amp_gain",
@@ -182,6 +202,7 @@ RUNS_BRIEF = RUNS.brief(  # what a user needs at a glance: what the run was, how
     widths={
         "label": 26,
         "samples_per_s": 10,
+        "noise": len("contended"),
         "scaling_efficiency": 11,
         "speedup": 11,
         "amp_gain": 11,
@@ -279,8 +300,9 @@ def to_records(rows: Sequence[Any]) -> list[dict[str, Any]]:
 NOTES_HEADING = "Figures left blank, and why:"
 
 
-def to_markdown(rows: Sequence[Any], layout: Layout = RUNS) -> str:
-    """A GitHub table, rounded for reading; failed runs in bold; the rows' notes listed under it."""
+def to_markdown(rows: Sequence[Any], layout: Layout = RUNS, summary: str = "") -> str:
+    """A GitHub table, rounded for reading; failed runs in bold; under it `summary` (a line
+    about every row, e.g. `compare.everything_set_aside`) and the rows' notes."""
     headers = layout.shown(rows)
     lines = [
         "| " + " | ".join(headers.values()) + " |",
@@ -294,6 +316,8 @@ def to_markdown(rows: Sequence[Any], layout: Layout = RUNS) -> str:
                 text = f"**{text}**"
             cells.append(text)
         lines.append("| " + " | ".join(cells) + " |")
+    if summary:
+        lines += ["", summary]
     notes = layout.notes(rows)
     if notes:
         lines += ["", NOTES_HEADING, "", *(f"- {note}" for note in notes)]
@@ -338,11 +362,12 @@ def render_table(
 
 # --- files --------------------------------------------------------------------------------------
 def write_tables(
-    rows: Sequence[Row], out_dir: Path, ladder_rows: Sequence[LadderRow] = ()
+    rows: Sequence[Row], out_dir: Path, ladder_rows: Sequence[LadderRow] = (), summary: str = ""
 ) -> list[Path]:
-    """summary.csv and summary.md; ladder.csv and ladder.md when there are ladder rows."""
+    """summary.csv and summary.md (`summary` under its table); ladder.csv and ladder.md when
+    there are ladder rows."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    tables = {"summary.csv": to_csv(rows), "summary.md": to_markdown(rows)}
+    tables = {"summary.csv": to_csv(rows), "summary.md": to_markdown(rows, summary=summary)}
     if ladder_rows:
         tables |= {
             "ladder.csv": to_csv(ladder_rows, LADDER),

@@ -95,8 +95,10 @@ def write_html(
     plots: Sequence[Path] = (),
     subtitle: str = "",
     front: Front | None = None,
+    summary: str = "",
 ) -> Path:
-    """Write `out_dir/report.html`: the title, the runs table and its notes, the ladder's table
+    """Write `out_dir/report.html`: the title, the runs table, `summary` (a line about every
+    run, e.g. `compare.everything_set_aside`) and the table's notes, the ladder's table
     and notes when there are ladder rows, the Pareto front's table and the runs it left out when
     there is a front, and the PNGs among `plots` embedded; its path."""
     sections = [
@@ -104,6 +106,7 @@ def write_html(
         f'<p class="sub">{html.escape(subtitle)}</p>' if subtitle else "",
         "<h2>Runs</h2>",
         _table(rows, RUNS),
+        f'<p class="notes">{html.escape(summary)}</p>' if summary else "",
         _notes(rows, RUNS),
     ]
     if ladder_rows:

@@ -1,6 +1,9 @@
 """The report's plots as PNGs (matplotlib, Agg): throughput and scaling efficiency against workers,
 the AMP gain's bars, accuracy against time, the speed-up ladder's bars, and (with --diagnose) where
-each run's step time went.
+each run's step time went. No plot claims more than its intervals hold: runs all of one worker
+count get throughput as bars per configuration and no efficiency plot (nothing scaled), figures
+carry their 95 % intervals as error bars, and the accuracy axis spans at least
+MIN_ACCURACY_SPAN.
 
 Each plot has a builder (`*_figure`) that returns the matplotlib `Figure`, or None when there is
 nothing to plot, so a test can read the real figure; `write_plots` and `write_time_plot` save them.
@@ -25,8 +28,9 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from accelexp import stats
 from accelexp.record import ELAPSED_S, VAL_ACC
-from accelexp.report.compare import PRECISION_ORDER, Row
+from accelexp.report.compare import PRECISION_ORDER, Row, group
 from accelexp.report.diagnose import SEGMENTS, DiagnosisRow
 from accelexp.report.ladder import LadderRow, ladder_subject
 from accelexp.tracking.query import RunRecord
@@ -65,6 +69,7 @@ REFERENCE = {"color": "black", "linestyle": ":", "linewidth": 1.2}  # the 1.0 li
 NAMED_AT_MOST = 2  # more distinct models (data, devices) than this are counted in a title
 DODGE = 0.3  # the sideways spread of all series, as a share of the smallest gap between workers
 DPI = 120
+MIN_ACCURACY_SPAN = 0.05  # the accuracy axis's least span: 5 points, not a 0.0007-wide zoom
 IDEAL_LABEL = "dashed: ideal linear scaling"  # its legend dash comes in every series' colour
 
 
@@ -261,10 +266,13 @@ def _yerr(
 
 def throughput_figure(rows: Sequence[Row]) -> Any | None:
     """samples/s against workers, a line per (parallelism, precision[, what else varies]), from
-    0; each series' ideal linear scaling from its fewest workers dashed in its colour."""
+    0; each series' ideal linear scaling from its fewest workers dashed in its colour. Runs all
+    of one worker count scale nothing: a bar per configuration instead (`_throughput_bars`)."""
     series = _series(rows, "samples_per_s")
     if not series:
         return None
+    if len(_workers(series)[0]) < 2:
+        return _throughput_bars(rows)
     figure, axes = _figure()
     drawn = _draw_series(axes, series, rows, "samples_per_s")
     ideals = []
@@ -279,13 +287,8 @@ def throughput_figure(rows: Sequence[Row]) -> Any | None:
         )
         ideals.append(dashed)
     _workers_axis(axes, series)
-    unmeasured = sum(row.samples_per_s is None for row in rows)
-    if unmeasured:
-        runs = "run" if unmeasured == 1 else "runs"
-        axes.set_xlabel(
-            f"{axes.get_xlabel()}\nnot plotted: {unmeasured} {runs} without a throughput "
-            "(see the table's notes)"
-        )
+    if unmeasured := _unmeasured_label(rows):
+        axes.set_xlabel(f"{axes.get_xlabel()}\n{unmeasured}")
     axes.set_ylabel("samples/s (steady state; bars: 95 % interval)")
     axes.set_ylim(bottom=0)
     axes.set_title(f"Throughput vs workers\n{_rows_subject(rows)}")
@@ -296,10 +299,52 @@ def throughput_figure(rows: Sequence[Row]) -> Any | None:
     return figure
 
 
+def _unmeasured_label(rows: Sequence[Row]) -> str:
+    """`not plotted: 2 runs without a throughput (see the table's notes)`, or ""."""
+    unmeasured = sum(row.samples_per_s is None for row in rows)
+    if not unmeasured:
+        return ""
+    runs = "run" if unmeasured == 1 else "runs"
+    return f"not plotted: {unmeasured} {runs} without a throughput (see the table's notes)"
+
+
+def _throughput_bars(rows: Sequence[Row]) -> Any:
+    """samples/s of runs that all had one worker count: a bar per configuration from 0, in its
+    series' colour (as in the other plots), with its 95 % interval; a contended row hatched."""
+    measured = [r for r in rows if r.samples_per_s is not None and r.world_size is not None]
+    extra = _row_extras(rows)
+    styles = series_styles(_series_label(row, extra) for row in rows)
+    figure, axes = _figure()
+    heights = [row.samples_per_s for row in measured]
+    errors = _yerr(heights, [_bounds(row, "samples_per_s") for row in measured])
+    labelled: set[str] = set()
+    for i, row in enumerate(measured):
+        label = _series_label(row, extra)
+        axes.bar(
+            i, row.samples_per_s, width=0.6, color=styles[label][0],
+            hatch="//" if row.noise else "", edgecolor="white",
+            yerr=[[errors[0][i]], [errors[1][i]]], capsize=4,
+            label=label if label not in labelled else None,
+        )  # fmt: skip
+        labelled.add(label)
+    names = [f"{row.label}\n({row.noise})" if row.noise else row.label for row in measured]
+    top = max(h + e for h, e in zip(heights, errors[1], strict=True))
+    workers = measured[0].world_size
+    _bar_axes(axes, names, _unmeasured_label(rows) or "configuration",
+              "samples/s (steady state; bars: 95 % interval)", top * 1.1)  # fmt: skip
+    axes.tick_params(axis="x", labelsize="small")
+    each = f"{workers} worker{'s' if workers != 1 else ''} each"
+    axes.set_title(f"Throughput by configuration ({each})\n{_rows_subject(rows)}")
+    _legend_outside(figure)
+    return figure
+
+
 def efficiency_figure(rows: Sequence[Row]) -> Any | None:
-    """Scaling efficiency (speedup ÷ workers ratio) against workers, from 0; 1.0 is linear."""
+    """Scaling efficiency (speedup ÷ workers ratio) against workers, from 0; 1.0 is linear.
+    None with fewer than two worker counts: nothing scaled, and an efficiency at one count is
+    only the speedup again."""
     series = _series(rows, "scaling_efficiency")
-    if not series:
+    if len(_workers(series)[0]) < 2:
         return None
     figure, axes = _figure()
     _draw_series(axes, series, rows, "scaling_efficiency")
@@ -369,38 +414,89 @@ def amp_gain_figure(rows: Sequence[Row]) -> Any | None:
 
 
 # --- accuracy against time ----------------------------------------------------------------------
+Curve = Sequence[tuple[float, float, float, float]]  # (elapsed s, accuracy, its low, its high)
+
+
+def _accuracy_curve(runs: Sequence[RunRecord]) -> Curve:
+    """(elapsed s, validation accuracy, its 95 % low, high) per epoch: one run's own points
+    (low = high = the point), or over several runs (a configuration's repeats) the mean of the
+    epochs every run logged, the accuracy with its t interval over the runs."""
+    histories = []
+    for run in runs:
+        elapsed = dict(run.history(ELAPSED_S))
+        points = {s: (elapsed[s], acc) for s, acc in run.history(VAL_ACC) if s in elapsed}
+        if points:
+            histories.append(points)
+    if len(histories) <= 1:
+        return [(t, acc, acc, acc) for h in histories for t, acc in h.values()]
+    curve = []
+    for epoch in sorted(set.intersection(*(set(h) for h in histories))):
+        accuracy = stats.across_repeats([h[epoch][1] for h in histories])
+        elapsed = statistics.fmean(h[epoch][0] for h in histories)
+        curve.append((elapsed, accuracy.value, accuracy.low, accuracy.high))
+    return curve
+
+
+def accuracy_limits(curves: Iterable[Curve]) -> tuple[float, float]:
+    """The accuracy axis: the points and their intervals, widened about their middle to at
+    least MIN_ACCURACY_SPAN and kept within 0–1, so that runs apart by less than their
+    noise are not drawn apart."""
+    points = [point for curve in curves for point in curve]
+    if not points:
+        return 0.0, 1.0
+    low, high = min(p[2] for p in points), max(p[3] for p in points)
+    if high - low < MIN_ACCURACY_SPAN:
+        middle = (low + high) / 2
+        low, high = middle - MIN_ACCURACY_SPAN / 2, middle + MIN_ACCURACY_SPAN / 2
+        low, high = (0.0, MIN_ACCURACY_SPAN) if low < 0 else (low, high)
+        low, high = (1.0 - MIN_ACCURACY_SPAN, 1.0) if high > 1 else (low, high)
+    margin = 0.05 * (high - low)
+    return max(0.0, low - margin), min(1.0, high + margin)
+
+
 def accuracy_vs_time_figure(rows: Sequence[Row], records: Sequence[RunRecord]) -> Any | None:
-    """Validation accuracy against elapsed training time (from 0), one line per run in the
-    table's order, each in its own colour and marker."""
-    by_id = {record.run_id: record for record in records}
+    """Validation accuracy against elapsed training time (from 0), one line per configuration
+    in the table's order, each in its own colour and marker; a configuration's repeats drawn as
+    their mean per epoch with its 95 % interval as error bars. The accuracy axis spans at least
+    MIN_ACCURACY_SPAN (`accuracy_limits`)."""
+    runs_of = {grouped.first.run_id: grouped for grouped in group(records)}
     curves = []
     for row in rows:
-        record = by_id.get(row.run_id)
-        if record is None:
+        grouped = runs_of.get(row.run_id)
+        if grouped is None:
             continue
-        elapsed = dict(record.history(ELAPSED_S))
-        points = [(elapsed[s], acc) for s, acc in record.history(VAL_ACC) if s in elapsed]
-        if points:
-            curves.append((row, points))
+        runs = grouped.shown or grouped.finished or grouped.records
+        if curve := _accuracy_curve(runs):
+            curves.append((row, curve, len(runs)))
     if not curves:
         return None
-    plotted = [row for row, _ in curves]
+    plotted = [row for row, *_ in curves]
     extra = _row_extras(plotted)
     labels = []
-    for row, _ in curves:
+    for row, _, runs in curves:
         parts = [row.parallelism, f"×{row.world_size}", row.precision]
         parts += [getattr(row, k) for k in extra]
         if row.status != "FINISHED":
             parts.append(f"({row.status})")
+        if runs > 1:
+            parts.append(f"(mean of {runs})")
         labels.append(" ".join(map(str, parts)))
     styles = series_styles(range(len(curves)))  # one per run, even when two runs look alike
     figure, axes = _figure()
-    for i, ((_, points), label) in enumerate(zip(curves, labels, strict=True)):
+    for i, ((_, curve, runs), label) in enumerate(zip(curves, labels, strict=True)):
         colour, marker = styles[i]
-        axes.plot(*zip(*points, strict=True), color=colour, marker=marker, label=label)
+        x, y, low, high = zip(*curve, strict=True)
+        axes.plot(x, y, color=colour, marker=marker, label=label)
+        if runs > 1:
+            below = [v - lo for v, lo in zip(y, low, strict=True)]
+            above = [hi - v for v, hi in zip(y, high, strict=True)]
+            axes.errorbar(x, y, yerr=[below, above], color=colour, capsize=3, linestyle="none")
     axes.set_xlim(left=0)
+    axes.set_ylim(*accuracy_limits(curve for _, curve, _ in curves))
     axes.set_xlabel("elapsed training time (s)")
-    axes.set_ylabel("validation accuracy")
+    repeated = any(runs > 1 for *_, runs in curves)
+    bars = " (bars: 95 % interval over repeats)" if repeated else ""
+    axes.set_ylabel(f"validation accuracy{bars}")
     axes.set_title(f"Validation accuracy vs training time\n{_rows_subject(plotted)}")
     axes.grid(alpha=0.3)
     _legend_outside(figure)
