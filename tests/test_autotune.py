@@ -11,13 +11,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import new_store, output_of, run_here
+from matplotlib.container import ErrorbarContainer
 from mlflow import MlflowClient
 from scipy import stats as scipy_stats
 
 from accelexp import record
-from accelexp.autotune import Candidate, Step, decide, merged
+from accelexp.autotune import AutotunePath, Candidate, Step, decide, merged
 from accelexp.autotune.loop import MIN_QUIET_PAIRS
-from accelexp.autotune.path import ARTIFACTS, PATH_JSON, PATH_PLOT, PATH_TABLE
+from accelexp.autotune.path import (
+    ARTIFACTS,
+    PATH_JSON,
+    PATH_PLOT,
+    PATH_TABLE,
+    console,
+    path_figure,
+    table,
+)
 from accelexp.config.schema import AutotuneConfig
 from accelexp.tracking.query import RunRecord
 
@@ -86,6 +95,47 @@ def test_a_candidate_is_kept_when_its_interval_lies_above_one_at_the_same_accura
         assert step.speedup.low == pytest.approx(low) and step.speedup.high == pytest.approx(high)
     else:
         assert step.speedup is None and "did not finish (FAILED)" in step.why
+
+
+def test_the_path_draws_every_candidate_with_its_interval_and_ends_with_a_line_to_paste() -> None:
+    base = [made_run("base", i, s, 0.80) for i, s in enumerate(BASE)]
+
+    def measured(override: str, speeds: list[float], status: str = "FINISHED") -> Step:
+        runs = [made_run(override, i, s, 0.80, status) for i, s in enumerate(speeds)]
+        step = Step(1, [], Candidate(override, "advised"), runs, base)
+        decide(step, TOLERANCE)
+        return step
+
+    start = ["+experiment=autotune", "model=mlp", "repeats=3", "autotune.max_trials=7"]
+    path = AutotunePath(list(start), list(start), stopped="none of the 3 candidate(s) helped")
+    path.steps = [
+        measured("precision=bf16", [104.0, 108.0, 99.0]),  # within the noise
+        measured("threads=1", [80.0, 90.0, 75.0]),  # slower
+        measured("data.batch_size=32", [131.0, 150.0, 122.0], "FAILED"),
+    ]
+    (axes,) = path_figure(path).axes
+    bars = [
+        list(segment[:, 1])
+        for container in axes.containers
+        if isinstance(container, ErrorbarContainer)
+        for segment in container.lines[2][0].get_segments()
+    ]
+    for step in path.steps[:2]:  # each measured candidate at its speedup, with its interval
+        assert [step.speedup.low, step.speedup.high] in [pytest.approx(bar) for bar in bars]
+    assert "data.batch_size=32: not measured" in {text.get_text() for text in axes.texts}
+
+    said = console(path, Path("autotune")).splitlines()
+    assert said[-1] == "Keep the start: python run.py model=mlp"  # the sweep's keys left out
+    assert any(line.startswith("Undecided") and "precision=bf16" in line for line in said)
+    assert "threads=1" not in next(line for line in said if line.startswith("Undecided"))
+    assert "run it: `python run.py model=mlp`" in table(path)
+
+    path.steps.append(measured("precision=bf16", [131.0, 150.0, 122.0]))
+    path.steps[-1].chosen = True
+    path.best = merged(path.best, "precision=bf16")
+    assert console(path, Path("autotune")).splitlines()[-1] == (
+        "Run it: python run.py model=mlp precision=bf16"
+    )
 
 
 def test_a_candidate_replaces_the_same_keys_of_its_base() -> None:

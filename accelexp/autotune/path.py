@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from accelexp import record, stats
-from accelexp.autotune.loop import AutotunePath, Step
+from accelexp.autotune.loop import AutotunePath, Step, key_of
 from accelexp.report.plots import _figure, _legend_outside, _save
+from accelexp.sweeper import OWN_KEYS
 
 PATH_TABLE = "path.md"
 PATH_JSON = "path.json"
@@ -46,6 +47,29 @@ def cumulative(path: AutotunePath) -> list[tuple[str, float]]:
     return gains
 
 
+def command(overrides: list[str]) -> str:
+    """`python run.py <overrides>` as one run: without the sweep's own keys (the autotune
+    experiment, `autotune.*`, `repeats`...), which a single run does not take."""
+    keys = {"experiment", "autotune", *OWN_KEYS}
+    kept = [
+        o
+        for o in overrides
+        if key_of(o).split(".")[0] not in keys and not key_of(o).startswith("hydra.sweep")
+    ]
+    return " ".join(["python run.py", *kept])
+
+
+def undecided(path: AutotunePath) -> list[Step]:
+    """The candidates whose speedup's interval held 1.0: neither faster nor slower, yet."""
+    return [s for s in path.steps if s.speedup is not None and not s.kept
+            and stats.verdict(s.speedup) == stats.NO_DIFFERENCE]  # fmt: skip
+
+
+def paste(path: AutotunePath) -> str:
+    """The line to paste at the end: the best found, or the start as it was."""
+    return command(path.best if path.kept else path.start)
+
+
 def table(path: AutotunePath) -> str:
     """The path as Markdown."""
     start = " ".join(path.start) or "(the defaults)"
@@ -56,6 +80,7 @@ def table(path: AutotunePath) -> str:
         f"- started from: `{start}`",
         f"- found: `{path.paste() or '(nothing: the start is the best it could prove)'}`"
         + (f" — ≈ {total:.2f}× the start (the product of the kept steps)" if path.kept else ""),
+        f"- run it: `{paste(path)}`",
         f"- stopped: {path.stopped}",
         f"- {path.trials} trial run(s) in {path.seconds:.0f} s",
         "",
@@ -79,8 +104,9 @@ def table(path: AutotunePath) -> str:
 
 
 def path_figure(path: AutotunePath) -> Any | None:
-    """The cumulative gain of each kept step (its interval as a bar), and every rejected
-    candidate of a round at the gain it measured over that round's base; None before any step."""
+    """The cumulative gain of each kept step (its interval as a bar), and every other candidate
+    of a round at the gain it measured over that round's base, its interval as a bar too (one
+    without a measurement named at the foot, at no height); None before any step."""
     if not path.steps:
         return None
     figure, axes = _figure((9, 4.5))
@@ -95,17 +121,30 @@ def path_figure(path: AutotunePath) -> Any | None:
     rounds = sorted({step.round for step in path.steps})
     for position, round_no in enumerate(rounds):
         base_gain = gains[min(position, len(gains) - 1)][1]
-        for step in path.steps:
-            if step.round != round_no or step.chosen or step.speedup is None:
+        others = [s for s in path.steps if s.round == round_no and not s.chosen]
+        for i, step in enumerate(others):
+            spread = 0.3 if len(others) > 1 else 0.0  # side by side, none hiding another
+            x_at = position + 0.5 - spread / 2 + spread * i / max(1, len(others) - 1)
+            if step.speedup is None:  # no figure to draw: named at the foot
+                axes.annotate(
+                    f"{step.candidate.override}: not measured", (x_at, 0), fontsize="x-small",
+                    color="0.4", xytext=(0, 4), textcoords="offset points", rotation=90,
+                )  # fmt: skip
                 continue
-            point = (position + 0.5, base_gain * step.speedup.value)
-            axes.plot(*point, "x", color="0.5")
+            gain = step.speedup.scaled(base_gain)
+            below, above = _error(gain)
+            axes.errorbar(
+                x_at, gain.value, yerr=[[below], [above]], fmt="x", color="0.5", capsize=3
+            )
             axes.annotate(
-                step.candidate.override, point, fontsize="x-small", color="0.4",
+                step.candidate.override, (x_at, gain.value), fontsize="x-small", color="0.4",
                 xytext=(4, 2), textcoords="offset points",
             )  # fmt: skip
     if any(not step.chosen and step.speedup is not None for step in path.steps):
-        axes.plot([], [], "x", color="0.5", label="not kept: measured over its round's base")
+        axes.errorbar(
+            [], [], yerr=[], fmt="x", color="0.5", capsize=3,
+            label="not kept: measured over its round's base (bar: 95 % interval)",
+        )  # fmt: skip
     axes.axhline(1.0, color="black", linestyle=":", linewidth=1.2)
     axes.set_xticks(x, [name for name, _ in gains], rotation=15, ha="right", fontsize="small")
     axes.set_ylabel("samples/s over the start")
@@ -114,6 +153,13 @@ def path_figure(path: AutotunePath) -> Any | None:
     axes.grid(alpha=0.3)
     _legend_outside(figure)
     return figure
+
+
+def _error(estimate: stats.Estimate) -> tuple[float, float]:
+    """An estimate's interval as matplotlib's (below, above); (0, 0) without one."""
+    if not estimate.has_interval:
+        return 0.0, 0.0
+    return estimate.value - estimate.low, estimate.high - estimate.value
 
 
 def publish(path: AutotunePath, uri: str, out_dir: Path) -> list[Path]:
@@ -139,16 +185,23 @@ def _number(value: Any) -> Any:
 
 
 def console(path: AutotunePath, folder: Path) -> str:
-    """What the sweep says at its end: every step in a line, then what it found."""
+    """What the sweep says at its end: every step in a line, what it found (and, when nothing,
+    which candidates stayed undecided), the path's file, and last one line to paste: the best
+    found, or the start as it was."""
     lines = [f"Autotune stopped: {path.stopped} ({path.trials} runs, {path.seconds:.0f} s)."]
     for step in path.steps:
         decision = "KEPT" if step.chosen else ("kept" if step.kept else "rejected")
         lines.append(f"  round {step.round}: {step.candidate.override}: {decision}: {step.why}")
-    found = path.paste()
-    if found:
-        command = " ".join(o for o in path.best if o.lstrip("+").split("=")[0] != "experiment")
-        lines.append(f"Found: {found}   — run it: python run.py {command}")
+    if path.kept:
+        lines.append(f"Found: {path.paste()}")
     else:
         lines.append("Found nothing measurably faster than the start.")
+        if open_ := undecided(path):
+            names = ", ".join(step.candidate.override for step in open_)
+            lines.append(
+                f"Undecided (no measurable difference): {names}; more repeats, or a sweep of "
+                f"your own with compare=lockstep, could still tell."
+            )
     lines.append(f"The path: {folder / PATH_TABLE}")
+    lines.append(f"Run it: {paste(path)}" if path.kept else f"Keep the start: {paste(path)}")
     return "\n".join(lines)
