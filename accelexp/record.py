@@ -133,6 +133,11 @@ REPEATS = "repeats"
 COMPARE = "compare"
 COMPARE_LOCKSTEP = "lockstep"
 COMPARE_REPEATS = "repeats"
+# a lockstep run's process: its own (one per job: the jobs' processes differ), or one that every
+# job of its incarnation shared (accelexp.lockstep.together: what a process carries is shared)
+LOCKSTEP_PROCESS = "lockstep_process"
+PROCESS_OWN = "own"
+PROCESS_SHARED = "shared"
 # a lockstep run's slices, step = the round: samples/s of each steady slice (each epoch's
 # warm-up rounds left out), whether a neighbour shared the machine during it (1) or not (0), and
 # which of the job's processes ran it (0, 1, ...: lockstep.epochs_per_process)

@@ -310,7 +310,9 @@ def ratio(
 
 
 def lockstep_ratio(
-    incarnations: Sequence[Sequence[tuple[float, float]]], confidence: float = CONFIDENCE
+    incarnations: Sequence[Sequence[tuple[float, float]]],
+    confidence: float = CONFIDENCE,
+    shared: bool = False,
 ) -> Estimate:
     """Ratio of two configurations measured in lockstep (`accelexp.lockstep`): each incarnation
     (a fresh set of processes) gives its paired slices as (num, den) rates, round by round.
@@ -320,7 +322,26 @@ def lockstep_ratio(
     taken back with exp): what a process carries for its whole life (memory placement, where
     its threads landed) differs between incarnations, so it is inside this interval. With one
     incarnation, the batch-means interval of its rounds, whose `method` says that a process's own
-    bias is not in it. Incarnations without a pair are left out."""
+    bias is not in it. Incarnations without a pair are left out.
+
+    `shared`: both sides ran in one process in each incarnation (`lockstep.process=shared`), so
+    what a process carries is in both slices of every round and cancels in their ratio: the
+    rounds of every incarnation, one after another, are one series, and the interval is its
+    batch means (calibrated by `benchmarks/noise.py --designs` over fresh processes)."""
+    if shared:
+        logs = [math.log(num / den) for pairs in incarnations for num, den in pairs]
+        if not logs:
+            raise ValueError("lockstep_ratio needs at least one paired round")
+        within = batch_means(logs, confidence)
+        if not within.has_interval:
+            return Estimate(math.exp(within.value), n=len(logs))
+        return Estimate(
+            math.exp(within.value),
+            math.exp(within.low),
+            math.exp(within.high),
+            len(logs),
+            f"lockstep in one process: {len(logs)} rounds of {len(incarnations)} process(es)",
+        )
     means, rounds = [], 0
     series = []
     for pairs in incarnations:

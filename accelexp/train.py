@@ -149,15 +149,22 @@ class DebugLoader:
             yield batch
 
 
-def run(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = ()) -> dict[str, float]:
-    """Train and test one configuration; returns the final metrics (as logged to MLflow)."""
+def run(
+    cfg: DictConfig,
+    output_dir: str | Path,
+    overrides: Sequence[str] = (),
+    gate: lockstep_gate.Gate | None = None,
+) -> dict[str, float]:
+    """Train and test one configuration; returns the final metrics (as logged to MLflow).
+    `gate`: the turns this job takes in a lockstep sweep whose jobs share one process
+    (`accelexp.lockstep.together`); else a lockstep job's gate comes from its environment."""
     validate(cfg)
     output_dir = Path(output_dir)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     strategy, precision = connect(cfg)
     # compare=lockstep: the turns this job takes (a job of any other sweep passes no gate)
-    gate = lockstep_gate.from_environment(
+    gate = gate or lockstep_gate.from_environment(
         strategy.shape.rank,
         strategy.shape.world_size,
         cfg.lockstep.slice_steps,
@@ -290,6 +297,7 @@ def _run(
             record.SETTING_ID: setting_id(resolved),
             record.OUTPUT_DIR: str(output_dir.resolve()),
             record.COMPARE: record.COMPARE_LOCKSTEP if gate.slice_steps else record.COMPARE_REPEATS,
+            **({record.LOCKSTEP_PROCESS: gate.process} if gate.slice_steps else {}),
         }
         tracker.start(name, params, tags)
         tracker.log_dataset(cfg.data.name, dataset_identity(cfg, data), dataset_source(cfg.data))

@@ -24,7 +24,15 @@ from test_sweeps import TINY, runs_of, sweep
 
 from accelexp import stats
 from accelexp.lockstep.sweep import memory_problem
-from accelexp.record import COMPARE, LOCKSTEP_INCARNATION, REPEAT_INDEX, lockstep_file
+from accelexp.record import (
+    COMPARE,
+    LOCKSTEP_INCARNATION,
+    LOCKSTEP_PROCESS,
+    PROCESS_SHARED,
+    REPEAT_INDEX,
+    TRAIN_LOSS,
+    lockstep_file,
+)
 from accelexp.report.compare import group, ratio
 from accelexp.tracking import query
 
@@ -47,21 +55,27 @@ def taking_turns(tmp_path_factory: pytest.TempPathFactory, mlflow_template_db: P
     return result, uri, tmp / "sweep"
 
 
-@pytest.mark.alone  # slices a neighbour shared are set aside: no other test beside it
-def test_no_step_of_a_job_runs_during_another_jobs_turn(taking_turns) -> None:
-    result, _, folder = taking_turns
-    assert result.returncode == 0, output_of(result)
-    single, ddp = (windows(folder / str(job), 0) for job in (0, 1))
-    turns = sorted([(t, "single") for t in single[0]] + [(t, "ddp") for t in ddp[0]])
+def assert_turns_taken(folder: Path) -> None:
+    """Jobs 0 and 1 of a lockstep sweep in `folder` took turns: no two turns overlap, each step
+    of a job ended inside one of its own turns, one turn of each job per round."""
+    first, second = (windows(folder / str(job), 0) for job in (0, 1))
+    turns = sorted([(t, 0) for t in first[0]] + [(t, 1) for t in second[0]])
     for (earlier, _), (later, _) in itertools.pairwise(turns):
         assert earlier[2] <= later[1], f"turns overlap: {earlier} and {later}"
-    assert {who for _, who in turns} == {"single", "ddp"}
-    for own_turns, step_ends in (single, ddp):
+    assert {who for _, who in turns} == {0, 1}
+    for own_turns, step_ends in (first, second):
         assert step_ends, "the job trained"
         for end in step_ends:  # each step ended inside one of its own job's turns
             assert any(granted <= end <= back for _, granted, back in own_turns), end
     rounds = [t[0] for t, _ in turns]
     assert rounds == sorted(rounds), "one turn of each job per round, round after round"
+
+
+@pytest.mark.alone  # slices a neighbour shared are set aside: no other test beside it
+def test_no_step_of_a_job_runs_during_another_jobs_turn(taking_turns) -> None:
+    result, _, folder = taking_turns
+    assert result.returncode == 0, output_of(result)
+    assert_turns_taken(folder)
 
 
 @pytest.mark.alone  # slices a neighbour shared are set aside: no other test beside it
@@ -101,14 +115,39 @@ def test_lockstep_runs_are_paired_by_round_and_process_in_the_report(taking_turn
     assert paired.method.startswith("lockstep: t over 2 incarnations"), paired
 
 
-def test_a_crashed_job_ends_alone_and_the_others_go_on(
+@pytest.mark.alone  # slices a neighbour shared are set aside: no other test beside it
+def test_jobs_sharing_one_process_take_turns_and_train_as_they_would_alone(
     tmp_path: Path, mlflow_template_db: Path
+) -> None:
+    """Two identical one-process jobs (lockstep.process=auto: threads of one process) take
+    turns as processes do; each keeps its own RNG stream (dropout draws every step), so both
+    train the same losses, and their slices pair as one process's rounds."""
+    result, uri = sweep(tmp_path, mlflow_template_db, "+mlflow.tags.side=a,b",
+                        "max_steps_per_epoch=8", *TURN_OF_ONE_STEP)  # fmt: skip
+    assert result.returncode == 0, output_of(result)
+    assert "share one process" in output_of(result)
+    assert_turns_taken(tmp_path / "sweep")
+    parent, children = runs_of(uri)
+    assert {c.data.tags[LOCKSTEP_PROCESS] for c in children} == {PROCESS_SHARED}
+    client = MlflowClient(uri)
+    losses = [
+        [m.value for m in client.get_metric_history(c.info.run_id, TRAIN_LOSS)] for c in children
+    ]
+    assert len(losses[0]) == 2 and losses[0] == losses[1], losses
+    a, b = group(query.child_runs(uri, parent.info.run_id))
+    assert ratio(b, a).method.startswith("lockstep in one process"), ratio(b, a)
+
+
+@pytest.mark.parametrize("process", ["own", "shared"])
+def test_a_crashed_job_ends_alone_and_the_others_go_on(
+    tmp_path: Path, mlflow_template_db: Path, process: str
 ) -> None:
     result, uri = sweep(
         tmp_path,
         mlflow_template_db,
         "debug.raise_on_rank=null,0",
         "debug.raise_at_step=2",
+        f"lockstep.process={process}",
         *TURN_OF_ONE_STEP,
     )
     text = output_of(result)
@@ -121,13 +160,15 @@ def test_a_crashed_job_ends_alone_and_the_others_go_on(
     assert parent.info.status == "FAILED"
 
 
+@pytest.mark.parametrize("process", ["own", "shared"])
 def test_sigint_stops_every_job_and_closes_every_run(
-    tmp_path: Path, mlflow_template_db: Path
+    tmp_path: Path, mlflow_template_db: Path, process: str
 ) -> None:
     uri = new_store(tmp_path, mlflow_template_db)
     job = Job(
         tmp_path, "-m", *TINY, "epochs=50", "max_steps_per_epoch=4", "precision=fp32,bf16",
-        *TURN_OF_ONE_STEP, f"mlflow.tracking_uri={uri}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        *TURN_OF_ONE_STEP, f"lockstep.process={process}", f"mlflow.tracking_uri={uri}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
     )  # fmt: skip
     try:
         job.wait_for("epoch 2/50", count=2)  # both are training, taking turns

@@ -385,6 +385,12 @@ class AutotuneConfig:
 class LockstepConfig:
     """`compare=lockstep`: a sweep's configurations as live jobs taking turns (lockstep)."""
 
+    process: str = key(
+        "auto",
+        "shared: every job a thread of one process (no per-process bias); own: a process each; "
+        "auto: shared where every job is one process that does not compile",
+        choices=("auto", "shared", "own"),
+    )
     slice_steps: int = key(8, "training steps in one job's turn (a slice)")
     warmup_rounds: int = key(2, "rounds of each epoch left out of the ratios (caches, allocator)")
     epochs_per_process: int | None = key(

@@ -107,6 +107,7 @@ def _rules() -> list[Rule]:
         _one_of("compare"),
         ("precision_target", lambda v: v is None or 0 < v < 1, "null or a number in (0, 1)"),
         ("max_repeats", lambda v: v >= 2, "an integer >= 2"),
+        _one_of("lockstep.process"),
         ("lockstep.slice_steps", *at_least_one),
         ("lockstep.warmup_rounds", lambda v: v >= 0, "an integer >= 0"),
         ("lockstep.epochs_per_process", *optional_at_least_one),

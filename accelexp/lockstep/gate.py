@@ -22,6 +22,7 @@ from typing import Protocol
 
 from accelexp.errors import AccelexpError
 from accelexp.lockstep import LOCKSTEP_ENV
+from accelexp.record import PROCESS_OWN
 
 INCARNATION_ENV = "ACCELEXP_INCARNATION"  # how many processes of this job came before this one
 
@@ -41,6 +42,7 @@ class Gate(Protocol):
     slice_steps: int | None  # None: no slices (not in lockstep)
     epochs_per_process: int | None  # a fresh process every this many epochs; None: never
     incarnation: int  # how many processes of this job came before this one
+    process: str  # record.PROCESS_OWN, or PROCESS_SHARED with the sweep's other jobs
 
     def turn(self) -> int:
         """Hand back the turn held, wait for the next; its round."""
@@ -62,6 +64,7 @@ class NoGate:
     slice_steps: int | None = None
     epochs_per_process: int | None = None
     incarnation: int = 0
+    process: str = PROCESS_OWN
 
     def turn(self) -> int:
         return 0
@@ -82,6 +85,7 @@ class LockstepGate:
                  slice_steps: int, epochs_per_process: int | None = None) -> None:  # fmt: skip
         self.slice_steps = slice_steps
         self.epochs_per_process = epochs_per_process
+        self.process = PROCESS_OWN
         self.incarnation = int(os.environ.get(INCARNATION_ENV) or 0)
         self.job, self.rank = job, rank
         self.conn = Client(address, family="AF_UNIX", authkey=authkey)
@@ -99,7 +103,7 @@ class LockstepGate:
             self.turns.append((*self._granted, now))
         try:
             self.conn.send(("ready",))
-            message, round_ = self.conn.recv()  # blocked in the kernel: no CPU spent waiting
+            message, round_ = self._receive()
         except (EOFError, OSError) as error:
             raise LockstepGoneError(
                 "The sweep handing the lockstep turns is gone (its process ended), so this job "
@@ -108,6 +112,9 @@ class LockstepGate:
         assert message == "go", message
         self._granted = (round_, time.monotonic())
         return round_
+
+    def _receive(self) -> tuple[str, int]:
+        return self.conn.recv()  # blocked in the kernel: no CPU spent waiting
 
     def close(self, again: bool = False, why: str = "") -> None:
         if self.conn.closed:

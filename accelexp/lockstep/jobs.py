@@ -24,6 +24,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from omegaconf import DictConfig
+
+from accelexp.lockstep import LOCKSTEP_ENV, together
 from accelexp.lockstep.turns import Turns
 from accelexp.processes import GRACE_S, die_with_parent
 from accelexp.tracking.runs import FAILED, KILLED
@@ -52,30 +55,54 @@ def run_incarnation(
     environment: Mapping[str, str],
     names: Sequence[str],
     close_unclosed: Callable[[JobEnd, str], None],
+    configs: Sequence[DictConfig] | None = None,
 ) -> tuple[list[JobEnd], list[str]]:
     """Run `jobs` (overrides each) side by side in lockstep; their ends, and what `Turns` had
-    to say (a job that failed while the others went on). A job that ended non-zero and left
-    its run open has it closed (`close_unclosed(end, status)`): KILLED when the sweep was
-    stopped, else FAILED."""
+    to say (a job that failed while the others went on). With their `configs` (as the sweep
+    composed them), all in one process (`accelexp.lockstep.together`), else each in its own.
+    A job that ended non-zero and left its run open has it closed (`close_unclosed(end,
+    status)`): KILLED when the sweep was stopped, else FAILED."""
     turns = Turns(list(names))
     status = FAILED  # of a run a job left open
     processes: list[subprocess.Popen] = []
-    ends: list[JobEnd] = []
+    ends = [
+        JobEnd(first_number + i, list(overrides), 0, sweep_dir / str(first_number + i))
+        for i, overrides in enumerate(jobs)
+    ]
+    shared = sweep_dir / f"lockstep{first_number}"  # one process's jobs (`together`)
     try:
-        for index, overrides in enumerate(jobs):
-            output_dir = sweep_dir / str(first_number + index)
-            command = [sys.executable, sys.argv[0], *overrides, f"hydra.run.dir={output_dir}"]
-            env = {**os.environ, **environment, **JOB_ENVIRONMENT, **turns.environment(index)}
-            process = subprocess.Popen(
-                command, env=env, start_new_session=True, preexec_fn=die_with_parent,
-                stdin=subprocess.DEVNULL,
-            )  # fmt: skip
-            processes.append(process)
-            ends.append(JobEnd(first_number + index, list(overrides), 0, output_dir))
-        waiters = [
-            threading.Thread(target=_wait, args=(turns, i, p), daemon=True)
-            for i, p in enumerate(processes)
-        ]
+        if configs is None:
+            for index, end in enumerate(ends):
+                command = [
+                    sys.executable, sys.argv[0], *end.overrides, f"hydra.run.dir={end.output_dir}"
+                ]  # fmt: skip
+                processes.append(_start(command, {**environment, **turns.environment(index)}))
+            waiters = [
+                threading.Thread(target=_wait, args=(turns, {i: e.number}, p), daemon=True)
+                for i, (e, p) in enumerate(zip(ends, processes, strict=True))
+            ]
+        else:
+            together.write_spec(
+                shared,
+                [
+                    {
+                        "number": end.number,
+                        "config": cfg,
+                        "output_dir": str(end.output_dir),
+                        "overrides": end.overrides,
+                        "lockstep": turns.environment(index)[LOCKSTEP_ENV],
+                    }
+                    for index, (end, cfg) in enumerate(zip(ends, configs, strict=True))
+                ],
+            )
+            command = [sys.executable, "-m", together.__name__, str(shared)]
+            processes.append(_start(command, environment))
+            everyone = {i: end.number for i, end in enumerate(ends)}
+            waiters = [
+                threading.Thread(
+                    target=_wait, args=(turns, everyone, processes[0], shared), daemon=True
+                )
+            ]
         for waiter in waiters:
             waiter.start()
         for waiter in waiters:
@@ -91,15 +118,32 @@ def run_incarnation(
                 process.kill()
             process.wait()
         turns.close()
-        for end, process in zip(ends, processes, strict=False):
-            end.returncode = process.returncode
+        own = together.read_ends(shared) if configs is not None else {}
+        for index, end in enumerate(ends):
+            which = 0 if configs is not None else index  # the process that ran it
+            returncode = processes[which].returncode if which < len(processes) else 1
+            end.returncode = own.get(end.number, returncode)
             if end.returncode != 0:
                 close_unclosed(end, status)
     return ends, turns.said
 
 
-def _wait(turns: Turns, index: int, process: subprocess.Popen) -> None:
-    turns.job_exited(index, process.wait())
+def _start(command: list[str], environment: Mapping[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        command, env={**os.environ, **environment, **JOB_ENVIRONMENT}, start_new_session=True,
+        preexec_fn=die_with_parent, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def _wait(
+    turns: Turns, numbers: dict[int, int], process: subprocess.Popen, shared: Path | None = None
+) -> None:
+    """Tell `turns` when the process of the jobs `numbers` (index: job number) ended, and each
+    one's exit code (a process of several jobs wrote theirs: `together.read_ends`)."""
+    returncode = process.wait()
+    own = together.read_ends(shared) if shared is not None else {}
+    for index, number in numbers.items():
+        turns.job_exited(index, own.get(number, returncode))
 
 
 def _stop(processes: Sequence[subprocess.Popen]) -> None:

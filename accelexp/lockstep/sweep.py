@@ -19,10 +19,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from accelexp.errors import ConfigError
 from accelexp.lockstep import jobs as lockstep_jobs
+from accelexp.lockstep import together
 from accelexp.sweeper import repeated
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,27 @@ def check(config: DictConfig, launcher_target: str) -> None:
             f"precision_target={config.precision_target} adds repeats up to max_repeats="
             f"{config.max_repeats}, which is below repeats={config.repeats}: raise max_repeats."
         )
+
+
+def shared_process(choice: str, configs: Sequence[DictConfig]) -> bool:
+    """Whether the jobs of each incarnation share one process (`lockstep.process`: shared,
+    own, or auto: shared where they can, `together.why_not`); refuses `shared` where they
+    cannot, with why."""
+    why = together.why_not(list(configs))
+    if choice == "shared" and why:
+        raise ConfigError(
+            f"lockstep.process=shared runs every job as a thread of one process, but {why}: "
+            f"use lockstep.process=own (or auto)."
+        )
+    shared = choice == "shared" or (choice == "auto" and not why)
+    log.info(
+        "lockstep: %s",
+        "the jobs of each repeat share one process (their ratio cancels its own bias)"
+        if shared
+        else f"a process per job ({why or 'lockstep.process=own'}); its own bias is sampled "
+        f"over fresh processes",
+    )
+    return shared
 
 
 CONTEXT_MB = 512.0  # a CUDA context's own memory, per process (the forecast leaves it out)
@@ -122,6 +144,7 @@ class Repeats:
         self.launch = launch
         self.sweep_dir = Path(config.hydra.sweep.dir)
         self.lockstep = config.compare == "lockstep"
+        self.shared = False  # the jobs of an incarnation as threads of one process
         target = config.precision_target
         self.least = max(config.repeats, MIN_REPEATS_FOR_TARGET) if target else config.repeats
         self.most = config.max_repeats if target else config.repeats
@@ -142,7 +165,9 @@ class Repeats:
         )
         if self.lockstep:
             names = self.names(self.configurations)
-            check_memory([self.compose(job) for job in self.configurations], names)
+            configs = [self.compose(job) for job in self.configurations]
+            check_memory(configs, names)
+            self.shared = shared_process(config.lockstep.process, configs)
         returns: list[object] = []
         number = 0
         for index in range(self.most):
@@ -176,10 +201,18 @@ class Repeats:
             return self.launch(batch, number)
         environment = dict(getattr(self.sweep, "environment", {}) or {})
         names = self.names(batch)
+        configs = [self._job_config(job) for job in batch] if self.shared else None
         ends, _said = lockstep_jobs.run_incarnation(
-            batch, number, self.sweep_dir, environment, names, self._close_unclosed
+            batch, number, self.sweep_dir, environment, names, self._close_unclosed, configs
         )
         return ends
+
+    def _job_config(self, job: list[str]) -> DictConfig:
+        """A job's config as its own process would have it (without Hydra's node)."""
+        cfg = self.compose(job).copy()
+        with open_dict(cfg):
+            cfg.pop("hydra", None)
+        return cfg
 
     def _close_unclosed(self, end: lockstep_jobs.JobEnd, status: str) -> None:
         """A job that died without closing its run (SIGKILL, the OOM killer, a signal while

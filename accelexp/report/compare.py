@@ -68,6 +68,7 @@ from accelexp.record import (
     HOST,
     LOCKSTEP_CONTENDED,
     LOCKSTEP_INCARNATION,
+    LOCKSTEP_PROCESS,
     LOCKSTEP_SAMPLES_PER_S,
     MODEL,
     NOISE,
@@ -77,6 +78,7 @@ from accelexp.record import (
     PARENT_RUN,
     PEAK_MEM_MB,
     PRECISION,
+    PROCESS_SHARED,
     REPEAT_INDEX,
     REPEATS,
     SAMPLES_PER_S,
@@ -351,8 +353,12 @@ def group_key(record: RunRecord) -> str:
 
 
 def contention(record: RunRecord) -> str:
-    """Why a run's speed is set aside ("" when it is not): the evidence of its `noise` tag."""
+    """Why a run's speed is set aside ("" when it is not): the evidence of its `noise` tag. A
+    lockstep run is judged slice by slice instead: its slices no neighbour shared still pair
+    (`lockstep_slices`), so it is set aside only when it has none."""
     if record.tags.get(NOISE) != NOISE_CONTENDED:
+        return ""
+    if record.tags.get(COMPARE) == COMPARE_LOCKSTEP and lockstep_slices(record):
         return ""
     return record.tags.get(NOISE_EVIDENCE) or "other work shared the machine"
 
@@ -512,7 +518,9 @@ def lockstep_ratio(row: Group, base: Group) -> Estimate | None:
     ]
     if not any(incarnations):
         return None
-    return stats.lockstep_ratio(incarnations)
+    runs = [*mine.values(), *theirs.values()]  # both sides in one process, every incarnation
+    shared = all(r.tags.get(LOCKSTEP_PROCESS) == PROCESS_SHARED for r in runs)
+    return stats.lockstep_ratio(incarnations, shared=shared)
 
 
 def group(records: Sequence[RunRecord]) -> list[Group]:

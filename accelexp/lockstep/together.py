@@ -1,0 +1,269 @@
+"""Lockstep in one process: every job of an incarnation as a thread of one process.
+
+    python -m accelexp.lockstep.together SPEC_DIR      (started by `accelexp.lockstep.jobs`)
+
+Two identical trainings in two processes taking turns run at different speeds for the whole
+life of their processes (3-22 % on the 2-core VM, a different one faster each time:
+`docs/statistics.md`); in one process that bias is gone, because whatever a process carries
+(its heap and the pages behind it, its threads' placement) both sides then share and their ratio
+cancels it. So where every job of a lockstep sweep is one process (no launched workers), the
+jobs run here, each in a thread of its own, taking turns exactly as separate processes do: each
+thread connects to the sweep's `Turns` as its job (`SharedProcessGate`), and only the thread
+holding the turn runs; the others wait on their sockets.
+
+What one process shares, and how each job still gets its own:
+
+- set-up (data, model, optimizer, the run in MLflow) runs one job at a time, in job order: a
+  job hands the set-up on when it first reaches its gate, so two set-ups never touch the global
+  RNG or the backends at once;
+- the process-wide state a job sets — the RNGs (torch, CUDA, Python, NumPy), torch's intra-op
+  threads, the backend flags (cuDNN benchmark and TF32, float32 matmul precision, deterministic
+  algorithms) — is captured when it hands the turn on and put back when it takes the turn again
+  (`ProcessState`), so each job trains on its own random stream with its own switches, as it
+  would alone;
+- a crash that takes the process down (a segfault, SIGKILL, the OOM killer) ends every job of
+  the incarnation; the sweep closes their runs (FAILED, or KILLED when stopped). An exception
+  in a job ends that job only, as with processes: its run is closed FAILED, its gate says why,
+  the others go on alone.
+
+SIGINT/SIGTERM (the sweep stopping, or the user): every job thread gets a KeyboardInterrupt (a
+waiting one within `POLL_S`), closes its run KILLED; the process exits 128 + the signal.
+SPEC_DIR/jobs.json names each job's config (resolved, as the sweep composed it), folder,
+overrides and lockstep address; SPEC_DIR/ends.json gets each job's exit code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import random
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from accelexp import outcome, signals
+from accelexp.errors import AccelexpError, ConfigError
+from accelexp.lockstep.gate import LockstepGate
+from accelexp.record import PROCESS_SHARED
+
+log = logging.getLogger(__name__)
+POLL_S = 0.1  # a waiting job looks up this often (a stop reaches it within this)
+SPEC = "jobs.json"
+ENDS = "ends.json"
+
+
+def why_not(configs: list[DictConfig]) -> str:
+    """Why these jobs cannot share one process ("" when they can): a job of several workers
+    (each a process of its launcher), or one that compiles (torch.compile's caches and guards
+    are the process's, not a job's)."""
+    for cfg in configs:
+        if cfg.parallelism.nprocs != 1:
+            return f"parallelism.nprocs={cfg.parallelism.nprocs} starts workers of its own"
+        if cfg.speed.compile != "off":
+            return f"speed.compile={cfg.speed.compile} compiles in the process's own caches"
+    return ""
+
+
+@dataclass
+class ProcessState:
+    """What one job sets that its process holds for every thread (see the module doc)."""
+
+    rng: tuple[Any, ...]
+    threads: int
+    backends: tuple[Any, ...]
+
+    @classmethod
+    def capture(cls) -> ProcessState:
+        import numpy as np
+        import torch
+
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        rng = (torch.get_rng_state(), cuda, random.getstate(), np.random.get_state())
+        return cls(rng, torch.get_num_threads(), _backends())
+
+    def restore(self) -> None:
+        import numpy as np
+        import torch
+
+        cpu, cuda, python, numpy = self.rng
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        random.setstate(python)
+        np.random.set_state(numpy)
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+        if _backends() != self.backends:
+            benchmark, cudnn_tf32, matmul, deterministic, warn_only = self.backends
+            torch.backends.cudnn.benchmark = benchmark
+            torch.backends.cudnn.allow_tf32 = cudnn_tf32
+            torch.set_float32_matmul_precision(matmul)
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+
+
+def _backends() -> tuple[Any, ...]:
+    import torch
+
+    return (
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.allow_tf32,
+        torch.get_float32_matmul_precision(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+
+
+class SharedProcessGate(LockstepGate):
+    """A job's gate when it shares its process with the other jobs of its incarnation: waits
+    interruptibly, hands the set-up on at its first turn, and keeps its process-wide state
+    (`ProcessState`) across the other jobs' turns."""
+
+    def __init__(self, spec: str, slice_steps: int, setup: threading.Lock) -> None:
+        address, job, authkey = spec.split(" ")
+        super().__init__(address, int(job), bytes.fromhex(authkey), 0, 1, slice_steps)
+        self.process = PROCESS_SHARED
+        self._setup: threading.Lock | None = setup  # held by this job until its first gate
+        self._state: ProcessState | None = None
+
+    def turn(self) -> int:
+        self._state = ProcessState.capture()
+        self._hand_on_setup()
+        round_ = super().turn()
+        self._state.restore()
+        return round_
+
+    def _receive(self) -> tuple[str, int]:
+        while not self.conn.poll(POLL_S):  # Python runs between polls: a stop gets in
+            pass
+        return self.conn.recv()
+
+    def close(self, again: bool = False, why: str = "") -> None:
+        self._hand_on_setup()
+        super().close(again, why)
+
+    def _hand_on_setup(self) -> None:
+        if self._setup is not None:
+            self._setup, setup = None, self._setup
+            setup.release()
+
+
+@dataclass
+class Job:
+    number: int
+    config: Path  # its resolved config (YAML)
+    output_dir: str
+    overrides: list[str]
+    lockstep: str  # its `LOCKSTEP_ENV` value: the sweep's address, its index, the key
+    returncode: int | None = None
+
+    def run(self, setup: threading.Lock) -> None:
+        """Train this job (in its thread): its exit code in `returncode`, as its process's."""
+        while not setup.acquire(timeout=POLL_S):  # Python runs between tries: a stop gets in
+            pass
+        cfg: DictConfig | None = None
+        gate = None
+        try:
+            cfg = OmegaConf.load(self.config)
+            assert isinstance(cfg, DictConfig)
+            from accelexp.train import run
+
+            gate = SharedProcessGate(self.lockstep, cfg.lockstep.slice_steps, setup)
+            run(cfg, self.output_dir, self.overrides, gate=gate)
+            self.returncode = outcome.EXIT_OK
+        except BaseException as error:
+            if gate is None:
+                setup.release()
+            self.returncode = self._failed(cfg, error)
+        finally:
+            if gate is not None:
+                gate.close()
+
+    def _failed(self, cfg: DictConfig | None, error: BaseException) -> int:
+        """As run.py ends a job: a stop KILLED (train closed the run), else FAILED, recorded on
+        the job's run (or a new one, when it failed before its run started)."""
+        if isinstance(error, KeyboardInterrupt):
+            stop = signals.interruption(error)
+            log.warning("Job %d stopped by %s; its run is KILLED.", self.number, stop.name)
+            return outcome.exit_code(stop)
+        ours = isinstance(error, AccelexpError)
+        log.error("Job %d: %s", self.number, error if ours else traceback.format_exc())
+        if cfg is not None:
+            from accelexp.parallel import run_label
+            from accelexp.tracking.runs import StoreFullError, record_failure, run_tags
+
+            if not isinstance(error, StoreFullError):
+                tags = run_tags(cfg, cfg.parallelism.nprocs, self.overrides)
+                label = None if isinstance(error, ConfigError) else run_label(cfg.parallelism)
+                tb = "".join(traceback.format_exception(error))
+                record_failure(cfg, self.output_dir, tb, tags, self.overrides, label)
+        return outcome.EXIT_BAD_INPUT if ours else 1
+
+
+def write_spec(folder: Path, jobs: list[dict[str, Any]]) -> None:
+    """`jobs`: each one's number, config (a DictConfig, saved resolved), output_dir, overrides
+    and lockstep value; for `main` to read."""
+    folder.mkdir(parents=True, exist_ok=True)
+    listed = []
+    for job in jobs:
+        config = folder / f"config{job['number']}.yaml"
+        OmegaConf.save(job["config"], config, resolve=True)
+        listed.append({**job, "config": str(config)})
+        hydra = Path(job["output_dir"]) / ".hydra"  # as Hydra keeps a job's, for its run
+        hydra.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(job["config"], hydra / "config.yaml")
+        OmegaConf.save(OmegaConf.create(list(job["overrides"])), hydra / "overrides.yaml")
+    (folder / SPEC).write_text(json.dumps(listed))
+
+
+def read_ends(folder: Path) -> dict[int, int]:
+    """Each job's exit code, by number, as `main` wrote them (none if it never got there)."""
+    try:
+        return {int(k): v for k, v in json.loads((folder / ENDS).read_text()).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def main(folder: Path) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="[%(asctime)s][%(threadName)s][%(name)s][%(levelname)s] - %(message)s",
+    )
+    signals.install()
+    listed = json.loads((folder / SPEC).read_text())
+    jobs = [Job(**{**job, "config": Path(job["config"])}) for job in listed]
+    setup = threading.Lock()
+    threads = [
+        threading.Thread(target=job.run, args=(setup,), name=f"job{job.number}", daemon=True)
+        for job in jobs
+    ]
+    stop: BaseException | None = None
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():  # joined in steps: a signal gets through between them
+                thread.join(0.5)
+    except KeyboardInterrupt as error:
+        stop = error
+        for thread in threads:  # each job closes its run KILLED
+            if thread.is_alive() and thread.ident is not None:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt)
+                )
+        for thread in threads:
+            thread.join()
+    ends = {job.number: 1 if job.returncode is None else job.returncode for job in jobs}
+    (folder / ENDS).write_text(json.dumps(ends))
+    if stop is not None:
+        return outcome.exit_code(signals.interruption(stop))
+    return next((code for code in ends.values() if code != 0), outcome.EXIT_OK)
+
+
+if __name__ == "__main__":
+    outcome.exit_now(main(Path(sys.argv[1])))
