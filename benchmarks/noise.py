@@ -498,9 +498,17 @@ def flagged(record: RunRecord) -> bool:
     return record.tags.get(NOISE) == NOISE_CONTENDED
 
 
+# the designs --designs can run: whole-run repeats, and lockstep with its jobs as threads of one
+# process (lockstep.process=shared, what auto picks for these jobs) or a process each (own)
+LOCKSTEP_DESIGNS = {"shared": "lockstep.process=shared", "own": "lockstep.process=own"}
+
+
 def design_command(args: argparse.Namespace, store: Path, design: str, name: str) -> list[str]:
+    compare = ["compare=repeats"] if design == "repeats" else [
+        "compare=lockstep", LOCKSTEP_DESIGNS[design]
+    ]  # fmt: skip
     return [
-        sys.executable, "run.py", "-m", "+mlflow.tags.side=a,b", f"compare={design}",
+        sys.executable, "run.py", "-m", "+mlflow.tags.side=a,b", *compare,
         f"repeats={args.repeats}", f"epochs={args.epochs}", f"max_steps_per_epoch={args.steps}",
         f"threads={args.threads}", f"lockstep.slice_steps={args.slice_steps}",
         "target_accuracy=null", "progress=false", f"mlflow.tracking_uri={uri(store)}",
@@ -542,7 +550,7 @@ def run_design(args: argparse.Namespace, store: Path, design: str, trial: int, h
     by = {(r.tags.get("side"), r.tags.get(REPEAT_INDEX)): r for r in records}
     result = DesignTrial(design, trial, None, wall, cpu_seconds(usage), hogged=hog)
     repeats = sorted({i for _, i in by if all((side, i) in by for side in SIDES)})
-    if design == "lockstep":
+    if design in LOCKSTEP_DESIGNS:
         incarnations = []
         for i in repeats:
             for pairs in lockstep_pairs(by["b", i], by["a", i]):
@@ -553,7 +561,7 @@ def run_design(args: argparse.Namespace, store: Path, design: str, trial: int, h
             )
         result.rounds = sum(len(pairs) for pairs in incarnations)
         if result.rounds:
-            result.estimate = stats.lockstep_ratio(incarnations)
+            result.estimate = stats.lockstep_ratio(incarnations, shared=design == "shared")
     else:
         pairs = [(by["b", i], by["a", i]) for i in repeats]
         clean = [(b, a) for b, a in pairs if not flagged(a) and not flagged(b)]
@@ -572,12 +580,13 @@ def designs(args: argparse.Namespace, store: Path) -> list[tuple[str, bool]]:
     fresh processes at the same size (so at about equal wall time); then the lockstep design
     `--hogged-trials` times with a one-core hog during part of it."""
     trials: list[DesignTrial] = []
+    chosen = args.designs.split(",")
+    lockstep = next((d for d in chosen if d in LOCKSTEP_DESIGNS), "shared")  # the hogged one
     for trial in range(args.trials):
-        order = ("repeats", "lockstep") if trial % 2 == 0 else ("lockstep", "repeats")
-        for design in order:
+        for design in chosen if trial % 2 == 0 else chosen[::-1]:
             trials.append(run_design(args, store, design, trial, hog=False))
     for trial in range(args.hogged_trials):
-        trials.append(run_design(args, store, "lockstep", args.trials + trial, hog=True))
+        trials.append(run_design(args, store, lockstep, args.trials + trial, hog=True))
     print(
         f"\n{'design':<10}{'trial':>6}{'hog':>5}  {'b / a (95 %)':<28}{'±%':>6}{'holds 1':>9}"
         f"{'rounds':>8}{'aside':>7}{'wall s':>8}{'cpu s':>8}  each incarnation alone"
@@ -594,7 +603,7 @@ def designs(args: argparse.Namespace, store: Path) -> list[tuple[str, bool]]:
             f"{t.rounds:>8}{t.set_aside:>7}{t.wall_s:>8.0f}{t.cpu_s:>8.0f}  {alone}"
         )
     goals = []
-    for design in ("repeats", "lockstep"):
+    for design in chosen:
         quiet = [t for t in trials if t.design == design and not t.hogged]
         halves = [t.estimate.relative_halfwidth() for t in quiet if t.estimate is not None
                   and t.estimate.has_interval]  # fmt: skip
@@ -607,9 +616,9 @@ def designs(args: argparse.Namespace, store: Path) -> list[tuple[str, bool]]:
             f"{held}/{len(quiet)} intervals hold 1.00; median wall {statistics.median(walls):.0f} s"
             f", CPU {statistics.median(cpus):.0f} s"
         )
-        if design == "lockstep":
-            goals.append((f"quiet lockstep A/A median half-width ±{100 * median:.1f} %; goal "
-                          f"≤ ±2 %", median <= 0.02))  # fmt: skip
+        if design == lockstep:
+            goals.append((f"quiet lockstep ({design}) A/A median half-width "
+                          f"±{100 * median:.1f} %; goal ≤ ±2 %", median <= 0.02))  # fmt: skip
             goals.append((f"lockstep calibrated: {held}/{len(quiet)} trials hold 1.00",
                           held == len(quiet) >= 5))  # fmt: skip
     for t in (t for t in trials if t.hogged):
@@ -632,7 +641,11 @@ def main() -> None:
     parser.add_argument("--order", default="a,b", help="the sides' order in each round")
     parser.add_argument("--keep", action="store_true", help="keep the MLflow store")
     parser.add_argument(
-        "--designs", action="store_true", help="whole-run repeats vs lockstep, side by side"
+        "--designs",
+        nargs="?",
+        const="repeats,shared",
+        help="designs side by side, of repeats, shared (lockstep in one process), own (lockstep, "
+        "a process per job): default repeats,shared",
     )
     parser.add_argument("--trials", type=int, default=5, help="--designs: A/A trials of each")
     parser.add_argument("--hogged-trials", type=int, default=1, help="--designs: lockstep + hog")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import statistics
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +139,32 @@ def test_the_path_draws_every_candidate_with_its_interval_and_ends_with_a_line_t
     )
 
 
+def test_in_lockstep_a_candidate_is_decided_by_its_rounds_from_one_repeat() -> None:
+    """compare=lockstep: one repeat of base and candidate in one process, slices paired round by
+    round, decides (repeats would need MIN_QUIET_PAIRS); the interval is the batch means of the
+    rounds' log ratios, computed here by hand."""
+    rounds = range(16)
+    base = [100.0 * (1 + 0.2 * math.sin(r)) for r in rounds]  # the host drifts; both alike
+    faster = [b * 1.1 * (1 + 0.01 * math.cos(3 * r)) for r, b in zip(rounds, base, strict=True)]
+
+    def lockstep_run(name: str, rates: list[float]) -> RunRecord:
+        run = made_run(name, 0, statistics.fmean(rates), 0.80)
+        run.tags |= {record.COMPARE: record.COMPARE_LOCKSTEP,
+                     record.LOCKSTEP_PROCESS: record.PROCESS_SHARED}  # fmt: skip
+        run.histories[record.LOCKSTEP_SAMPLES_PER_S] = list(enumerate(rates))
+        return run
+
+    step = Step(1, [], Candidate("data.batch_size=64", "overhead"),
+                [lockstep_run("candidate", faster)], [lockstep_run("base", base)])  # fmt: skip
+    decide(step, TOLERANCE)
+    logs = np.log(np.array(faster) / np.array(base))
+    batches = logs.reshape(4, 4).mean(axis=1)  # 16 rounds: 4 batches of 4
+    half = scipy_stats.t.ppf(0.975, 3) * batches.std(ddof=1) / 2
+    low, high = math.exp(batches.mean() - half), math.exp(batches.mean() + half)
+    assert (step.speedup.low, step.speedup.high) == pytest.approx((low, high), rel=1e-9)
+    assert step.kept and "lockstep in one process: 16 rounds" in step.why, step.why
+
+
 def test_a_candidate_replaces_the_same_keys_of_its_base() -> None:
     base = ["+experiment=autotune", "precision=fp32", "threads=2"]
     assert merged(base, "parallelism=ddp parallelism.nprocs=2 threads=1") == [
@@ -208,6 +235,27 @@ def test_autotune_follows_the_verdict_and_decides_by_the_measured_interval(
     table = (tmp_path / "sweep" / ARTIFACTS / PATH_TABLE).read_text()
     assert f"`{step['candidate']}`" in table and step["why"] in table
     assert "Autotune stopped" in output_of(result)
+
+
+def test_autotune_in_lockstep_pairs_its_candidate_round_by_round(
+    tmp_path: Path, mlflow_template_db: Path
+) -> None:
+    """compare=lockstep: round 1's base and candidate run as live jobs taking turns, and the
+    decision pairs their slices (the path says how); every trial is a lockstep run."""
+    uri = new_store(tmp_path, mlflow_template_db)
+    result = run_here(
+        None, "-m", "+experiment=autotune", *TINY, "repeats=2", "autotune.max_trials=5",
+        "compare=lockstep", "lockstep.slice_steps=2", "lockstep.warmup_rounds=0",
+        f"mlflow.tracking_uri={uri}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    )  # fmt: skip
+    assert result.returncode == 0, output_of(result)[-3000:]
+    path = json.loads((tmp_path / "sweep" / ARTIFACTS / PATH_JSON).read_text())
+    (step,) = path["steps"]
+    assert step["paired"].startswith("lockstep"), step
+    client = MlflowClient(uri)
+    trials = client.search_runs([client.get_experiment_by_name("autotune").experiment_id])
+    tags = [r.data.tags for r in trials if record.AUTOTUNE_ROUND in r.data.tags]
+    assert len(tags) == 5 and {t[record.COMPARE] for t in tags} == {record.COMPARE_LOCKSTEP}
 
 
 def throughputs(runs: list, quiet: bool) -> dict[str, float]:

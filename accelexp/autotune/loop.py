@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from accelexp import record, stats
 from accelexp.errors import ConfigError
-from accelexp.report.compare import Group, measure_estimate, ratio
+from accelexp.report.compare import Group, lockstep_ratio, measure_estimate, ratio
 from accelexp.stats import Estimate
 from accelexp.sweeper import OWN_KEYS
 from accelexp.tracking.query import RunRecord
@@ -83,6 +83,7 @@ class Step:
             "speedup": None if speedup is None else speedup.value,
             "speedup_low": None if speedup is None else speedup.low,
             "speedup_high": None if speedup is None else speedup.high,
+            "paired": "" if speedup is None else speedup.method,
             "base_test_acc": self.base_acc,
             "test_acc": self.acc,
             "decision": record.AUTOTUNE_KEPT if self.kept else record.AUTOTUNE_REJECTED,
@@ -142,7 +143,10 @@ def decide(step: Step, tolerance: float) -> None:
     mine = Group(step.candidate.override, finished, measured)
     theirs = Group(BASE, base_finished, measured)
     shared = ""
-    if len(mine.by_repeat().keys() & theirs.by_repeat().keys()) >= MIN_QUIET_PAIRS:
+    if (paired := lockstep_ratio(mine, theirs)) is not None:  # compare=lockstep: by round
+        step.speedup = paired
+        shared = f" ({paired.method})"
+    elif len(mine.by_repeat().keys() & theirs.by_repeat().keys()) >= MIN_QUIET_PAIRS:
         step.speedup = ratio(mine, theirs)  # the quiet pairs, as the report pairs them
     else:  # on a machine always shared (a VM's steal), pairs of contended runs too
         mine_all, theirs_all = _by_repeat(finished, measured), _by_repeat(base_finished, measured)

@@ -12,10 +12,13 @@ each job, the order reversed every other round (A B, B A, A B...). Slice r of A 
 ran seconds apart, so the drift they share cancels in their ratio: the report pairs the slices
 by round (`accelexp.stats.lockstep_ratio`).
 
-What lockstep cannot pair away is a bias that lives as long as a process (memory placement, where
-its threads landed: `docs/statistics.md` has the measurement). Each repeat is therefore a fresh
-set of processes (an *incarnation*), and the interval of a ratio is taken over incarnations, so
-that bias is inside it, never hidden.
+What pairing by round cannot take away is a bias that lives as long as a process (3-22 % between
+two identical processes here: `docs/statistics.md` has the measurement). Where every job is one
+process that does not compile, the jobs of a repeat run as threads of one process
+(`together`, `lockstep.process=auto|shared`): both sides then carry that bias and it cancels in
+their ratio. Otherwise (`lockstep.process=own`, launched workers) each repeat is a fresh set of
+processes (an *incarnation*), and the interval of a ratio is taken over incarnations, so that
+bias is inside it, never hidden.
 
 Every job still trains its whole run, evaluates, checkpoints and logs as a run of its own (a
 child of the sweep's parent run): only *when* its steps run changes. A job holds the turn from
@@ -24,8 +27,8 @@ during another job's timed slice.
 
 - `turns.Turns` (in the sweeper's process) hands the turns, over a Unix socket;
 - `gate.Gate` (in every rank of a job) is what the training loop passes before each slice;
-- `jobs.run_incarnation` starts one incarnation's jobs as processes of `run.py`, waits for them,
-  and stops them all on SIGINT/SIGTERM.
+- `jobs.run_incarnation` starts one incarnation's jobs as processes of `run.py` (or as threads
+  of one `together` process), waits for them, and stops them all on SIGINT/SIGTERM.
 """
 
 from __future__ import annotations

@@ -199,36 +199,14 @@ class Repeats:
     def _one_repeat(self, batch: list[list[str]], number: int) -> object:
         if not self.lockstep:
             return self.launch(batch, number)
-        environment = dict(getattr(self.sweep, "environment", {}) or {})
-        names = self.names(batch)
-        configs = [self._job_config(job) for job in batch] if self.shared else None
-        ends, _said = lockstep_jobs.run_incarnation(
-            batch, number, self.sweep_dir, environment, names, self._close_unclosed, configs
-        )
-        return ends
-
-    def _job_config(self, job: list[str]) -> DictConfig:
-        """A job's config as its own process would have it (without Hydra's node)."""
-        cfg = self.compose(job).copy()
-        with open_dict(cfg):
-            cfg.pop("hydra", None)
-        return cfg
-
-    def _close_unclosed(self, end: lockstep_jobs.JobEnd, status: str) -> None:
-        """A job that died without closing its run (SIGKILL, the OOM killer, a signal while
-        its next process started): its run closed as `status`, never left RUNNING."""
-        from accelexp.tracking.runs import FAILED, FINISHED, KILLED, close_run
-
-        close_run(self.config.mlflow, end.output_dir, status, keep=(FINISHED, FAILED, KILLED))
+        return incarnation(
+            self.config, batch, number, self.compose, self.sweep, self.shared,
+            self.names(batch),
+        )  # fmt: skip
 
     def names(self, jobs: Sequence[Sequence[str]]) -> list[str]:
         """Each job by the overrides that tell it apart from the sweep's other jobs."""
-        common = set.intersection(*(set(j) for j in self.configurations))
-        return [
-            " ".join(o for o in job if o not in common and not o.startswith("repeat_index="))
-            or f"job {i}"
-            for i, job in enumerate(jobs)
-        ]
+        return names(jobs, self.configurations)
 
     def precision(self, repeats: int) -> Sampled:
         """The widest relative half-width of the sweep's ratios, as the report computes them."""
@@ -253,3 +231,49 @@ class Repeats:
         if widest < 0:
             return Sampled(repeats, None, "no ratio to measure")
         return Sampled(repeats, widest, worst)
+
+
+def names(jobs: Sequence[Sequence[str]], among: Sequence[Sequence[str]]) -> list[str]:
+    """Each job by the overrides that tell it apart from the other jobs `among`."""
+    common = set.intersection(*(set(j) for j in among))
+    return [
+        " ".join(o for o in job if o not in common and not o.startswith("repeat_index="))
+        or f"job {i}"
+        for i, job in enumerate(jobs)
+    ]
+
+
+def incarnation(
+    config: DictConfig,
+    batch: list[list[str]],
+    number: int,
+    compose: Callable[[list[str]], DictConfig],
+    sweep: object,
+    shared: bool,
+    names: list[str],
+) -> list[lockstep_jobs.JobEnd]:
+    """One repeat of `batch` in lockstep (jobs numbered from `number`): as threads of one
+    process when `shared`, else a process each; a job's run it left open closed."""
+    environment = dict(getattr(sweep, "environment", {}) or {})
+    configs = [job_config(compose, job) for job in batch] if shared else None
+
+    def close_unclosed(end: lockstep_jobs.JobEnd, status: str) -> None:
+        """A job that died without closing its run (SIGKILL, the OOM killer, a signal while
+        its next process started): its run closed as `status`, never left RUNNING."""
+        from accelexp.tracking.runs import FAILED, FINISHED, KILLED, close_run
+
+        close_run(config.mlflow, end.output_dir, status, keep=(FINISHED, FAILED, KILLED))
+
+    sweep_dir = Path(config.hydra.sweep.dir)
+    ends, _said = lockstep_jobs.run_incarnation(
+        batch, number, sweep_dir, environment, names, close_unclosed, configs
+    )
+    return ends
+
+
+def job_config(compose: Callable[[list[str]], DictConfig], job: list[str]) -> DictConfig:
+    """A job's config as its own process would have it (without Hydra's node)."""
+    cfg = compose(job).copy()
+    with open_dict(cfg):
+        cfg.pop("hydra", None)
+    return cfg

@@ -1,4 +1,4 @@
-"""Lockstep in one process: every job of an incarnation as a thread of one process.
+"""Lockstep in one process: every job of an incarnation in one process, on one thread.
 
     python -m accelexp.lockstep.together SPEC_DIR      (started by `accelexp.lockstep.jobs`)
 
@@ -6,45 +6,49 @@ Two identical trainings in two processes taking turns run at different speeds fo
 life of their processes (3-22 % on the 2-core VM, a different one faster each time:
 `docs/statistics.md`); in one process that bias is gone, because whatever a process carries
 (its heap and the pages behind it, its threads' placement) both sides then share and their ratio
-cancels it. So where every job of a lockstep sweep is one process (no launched workers), the
-jobs run here, each in a thread of its own, taking turns exactly as separate processes do: each
-thread connects to the sweep's `Turns` as its job (`SharedProcessGate`), and only the thread
-holding the turn runs; the others wait on their sockets.
+cancels it. So where every job of a lockstep sweep is one process (no launched workers) that
+does not compile, the jobs run here, taking turns exactly as separate processes do: each
+connects to the sweep's `Turns` as its job (`SharedProcessGate`).
+
+The jobs are greenlets of the main thread, not threads: every torch call then comes from the
+same OS thread, so both sides run on the same OpenMP team (each OS thread that calls into torch
+gets a team of its own, and two teams are two placements: jobs in two threads of one process read
+a bias again, `docs/statistics.md`). A job runs until its gate waits for its next turn; the hub
+(`main`) then waits on every waiting job's socket and resumes the job whose turn came.
 
 What one process shares, and how each job still gets its own:
 
-- set-up (data, model, optimizer, the run in MLflow) runs one job at a time, in job order: a
-  job hands the set-up on when it first reaches its gate, so two set-ups never touch the global
-  RNG or the backends at once;
+- set-up (data, model, optimizer, the run in MLflow) runs one job at a time, in job order, each
+  until it first reaches its gate;
 - the process-wide state a job sets — the RNGs (torch, CUDA, Python, NumPy), torch's intra-op
-  threads, the backend flags (cuDNN benchmark and TF32, float32 matmul precision, deterministic
-  algorithms) — is captured when it hands the turn on and put back when it takes the turn again
-  (`ProcessState`), so each job trains on its own random stream with its own switches, as it
-  would alone;
+  threads, grad mode, the backend flags (cuDNN benchmark and TF32, float32 matmul precision,
+  deterministic algorithms) — is captured when it hands the turn on and put back when it takes
+  the turn again (`ProcessState`), so each job trains on its own random stream with its own
+  switches, as it would alone;
 - a crash that takes the process down (a segfault, SIGKILL, the OOM killer) ends every job of
   the incarnation; the sweep closes their runs (FAILED, or KILLED when stopped). An exception
   in a job ends that job only, as with processes: its run is closed FAILED, its gate says why,
   the others go on alone.
 
-SIGINT/SIGTERM (the sweep stopping, or the user): every job thread gets a KeyboardInterrupt (a
-waiting one within `POLL_S`), closes its run KILLED; the process exits 128 + the signal.
+SIGINT/SIGTERM (the sweep stopping, or the user): every job still alive gets a KeyboardInterrupt
+where it waits (or where it runs), closes its run KILLED; the process exits 128 + the signal.
 SPEC_DIR/jobs.json names each job's config (resolved, as the sweep composed it), folder,
 overrides and lockstep address; SPEC_DIR/ends.json gets each job's exit code.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import random
 import sys
-import threading
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+import greenlet
 from omegaconf import DictConfig, OmegaConf
 
 from accelexp import outcome, signals
@@ -53,7 +57,6 @@ from accelexp.lockstep.gate import LockstepGate
 from accelexp.record import PROCESS_SHARED
 
 log = logging.getLogger(__name__)
-POLL_S = 0.1  # a waiting job looks up this often (a stop reaches it within this)
 SPEC = "jobs.json"
 ENDS = "ends.json"
 
@@ -76,6 +79,7 @@ class ProcessState:
 
     rng: tuple[Any, ...]
     threads: int
+    grad: bool
     backends: tuple[Any, ...]
 
     @classmethod
@@ -85,7 +89,7 @@ class ProcessState:
 
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         rng = (torch.get_rng_state(), cuda, random.getstate(), np.random.get_state())
-        return cls(rng, torch.get_num_threads(), _backends())
+        return cls(rng, torch.get_num_threads(), torch.is_grad_enabled(), _backends())
 
     def restore(self) -> None:
         import numpy as np
@@ -99,6 +103,7 @@ class ProcessState:
         np.random.set_state(numpy)
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
+        torch.set_grad_enabled(self.grad)
         if _backends() != self.backends:
             benchmark, cudnn_tf32, matmul, deterministic, warn_only = self.backends
             torch.backends.cudnn.benchmark = benchmark
@@ -120,37 +125,25 @@ def _backends() -> tuple[Any, ...]:
 
 
 class SharedProcessGate(LockstepGate):
-    """A job's gate when it shares its process with the other jobs of its incarnation: waits
-    interruptibly, hands the set-up on at its first turn, and keeps its process-wide state
+    """A job's gate when it shares its process with the other jobs of its incarnation: it waits
+    for its turn by handing control to the hub (`main`), and keeps its process-wide state
     (`ProcessState`) across the other jobs' turns."""
 
-    def __init__(self, spec: str, slice_steps: int, setup: threading.Lock) -> None:
+    def __init__(self, spec: str, slice_steps: int, hub: greenlet.greenlet) -> None:
         address, job, authkey = spec.split(" ")
         super().__init__(address, int(job), bytes.fromhex(authkey), 0, 1, slice_steps)
         self.process = PROCESS_SHARED
-        self._setup: threading.Lock | None = setup  # held by this job until its first gate
-        self._state: ProcessState | None = None
+        self.hub = hub
 
     def turn(self) -> int:
-        self._state = ProcessState.capture()
-        self._hand_on_setup()
+        state = ProcessState.capture()
         round_ = super().turn()
-        self._state.restore()
+        state.restore()
         return round_
 
     def _receive(self) -> tuple[str, int]:
-        while not self.conn.poll(POLL_S):  # Python runs between polls: a stop gets in
-            pass
+        self.hub.switch(self.conn)  # back here once the hub saw this job's turn come
         return self.conn.recv()
-
-    def close(self, again: bool = False, why: str = "") -> None:
-        self._hand_on_setup()
-        super().close(again, why)
-
-    def _hand_on_setup(self) -> None:
-        if self._setup is not None:
-            self._setup, setup = None, self._setup
-            setup.release()
 
 
 @dataclass
@@ -161,11 +154,10 @@ class Job:
     overrides: list[str]
     lockstep: str  # its `LOCKSTEP_ENV` value: the sweep's address, its index, the key
     returncode: int | None = None
+    stopped_by: BaseException | None = None  # SIGINT/SIGTERM, as it reached this job
 
-    def run(self, setup: threading.Lock) -> None:
-        """Train this job (in its thread): its exit code in `returncode`, as its process's."""
-        while not setup.acquire(timeout=POLL_S):  # Python runs between tries: a stop gets in
-            pass
+    def run(self, hub: greenlet.greenlet) -> None:
+        """Train this job (in its greenlet): its exit code in `returncode`, as its process's."""
         cfg: DictConfig | None = None
         gate = None
         try:
@@ -173,12 +165,10 @@ class Job:
             assert isinstance(cfg, DictConfig)
             from accelexp.train import run
 
-            gate = SharedProcessGate(self.lockstep, cfg.lockstep.slice_steps, setup)
+            gate = SharedProcessGate(self.lockstep, cfg.lockstep.slice_steps, hub)
             run(cfg, self.output_dir, self.overrides, gate=gate)
             self.returncode = outcome.EXIT_OK
         except BaseException as error:
-            if gate is None:
-                setup.release()
             self.returncode = self._failed(cfg, error)
         finally:
             if gate is not None:
@@ -188,6 +178,7 @@ class Job:
         """As run.py ends a job: a stop KILLED (train closed the run), else FAILED, recorded on
         the job's run (or a new one, when it failed before its run started)."""
         if isinstance(error, KeyboardInterrupt):
+            self.stopped_by = error
             stop = signals.interruption(error)
             log.warning("Job %d stopped by %s; its run is KILLED.", self.number, stop.name)
             return outcome.exit_code(stop)
@@ -230,39 +221,57 @@ def read_ends(folder: Path) -> dict[int, int]:
 
 
 def main(folder: Path) -> int:
-    logging.basicConfig(
-        level=logging.INFO,
-        format="[%(asctime)s][%(threadName)s][%(name)s][%(levelname)s] - %(message)s",
-    )
-    signals.install()
+    """Run the jobs of SPEC_DIR `folder` taking turns; the exit code (a job's that failed, or
+    128 + the signal that stopped them)."""
     listed = json.loads((folder / SPEC).read_text())
     jobs = [Job(**{**job, "config": Path(job["config"])}) for job in listed]
-    setup = threading.Lock()
-    threads = [
-        threading.Thread(target=job.run, args=(setup,), name=f"job{job.number}", daemon=True)
-        for job in jobs
-    ]
+    hub = greenlet.getcurrent()
+    running = {greenlet.greenlet(job.run): job for job in jobs}
+    _say_which_job({g: job.number for g, job in running.items()})
+    logging.basicConfig(
+        level=logging.INFO,
+        format="[%(asctime)s][job %(job)s][%(name)s][%(levelname)s] - %(message)s",
+    )
+    signals.install()
+    waiting: dict[Connection, greenlet.greenlet] = {}
+
+    def resume(job: greenlet.greenlet, stop: BaseException | None = None) -> None:
+        """Run `job` (or stop it where it waits) until it waits for its next turn, on its
+        socket, or ends; a stop that reached it while it ran is raised here, for the others."""
+        waits_on = job.throw(type(stop), stop) if stop else job.switch(hub)
+        if not job.dead:
+            waiting[waits_on] = job
+        elif stop is None and running[job].stopped_by is not None:
+            raise running[job].stopped_by
+
     stop: BaseException | None = None
     try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            while thread.is_alive():  # joined in steps: a signal gets through between them
-                thread.join(0.5)
-    except KeyboardInterrupt as error:
+        for job in running:  # set-up, one job at a time, each up to its first gate
+            resume(job)
+        while waiting:
+            for conn in wait(list(waiting)):
+                resume(waiting.pop(conn))  # type: ignore[arg-type]
+    except KeyboardInterrupt as error:  # each job closes its run KILLED where it waits
         stop = error
-        for thread in threads:  # each job closes its run KILLED
-            if thread.is_alive() and thread.ident is not None:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt)
-                )
-        for thread in threads:
-            thread.join()
+        while waiting:
+            resume(waiting.popitem()[1], stop)
     ends = {job.number: 1 if job.returncode is None else job.returncode for job in jobs}
     (folder / ENDS).write_text(json.dumps(ends))
     if stop is not None:
         return outcome.exit_code(signals.interruption(stop))
     return next((code for code in ends.values() if code != 0), outcome.EXIT_OK)
+
+
+def _say_which_job(numbers: dict[greenlet.greenlet, int]) -> None:
+    """Each log record says which job wrote it: the one whose greenlet runs ("-": none)."""
+    factory = logging.getLogRecordFactory()
+
+    def record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        made = factory(*args, **kwargs)
+        made.job = numbers.get(greenlet.getcurrent(), "-")
+        return made
+
+    logging.setLogRecordFactory(record)
 
 
 if __name__ == "__main__":

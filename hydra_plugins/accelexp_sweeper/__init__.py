@@ -183,12 +183,17 @@ class AutotuneSweeper(Sweeper):
 
         assert self.config is not None
         self.validate_batch_is_legal(batch)
-        returns = self.launcher.launch(batch, initial_job_idx=self.job_index)
+        if self.config.compare == "lockstep":  # the batch's jobs live at once, taking turns
+            output_dirs = self._lockstep(batch)
+        else:
+            returns = self.launcher.launch(batch, initial_job_idx=self.job_index)
+            output_dirs = []
+            for job in returns:
+                _ = job.return_value  # a job that raised: raise it here, as Hydra's sweepers do
+                output_dirs.append(Path(job.hydra_cfg.hydra.runtime.output_dir))
         self.job_index += len(batch)
         runs = []
-        for job in returns:
-            _ = job.return_value  # a job that raised: raise it here, as Hydra's sweepers do
-            output_dir = Path(job.hydra_cfg.hydra.runtime.output_dir)
+        for output_dir in output_dirs:
             run_id = output_dir / RUN_ID_FILE
             uri = self.config.mlflow.tracking_uri
             runs.append(
@@ -197,6 +202,26 @@ class AutotuneSweeper(Sweeper):
                 else None
             )
         return runs
+
+    def _lockstep(self, batch: list[list[str]]) -> list[Path]:
+        """`batch` as one lockstep incarnation (`accelexp.lockstep.sweep`); its jobs' folders."""
+        from accelexp import outcome
+        from accelexp.lockstep import sweep as by_repeat
+
+        assert self.config is not None and self.hydra_context is not None
+
+        def compose(overrides: list[str]) -> DictConfig:
+            assert self.config is not None and self.hydra_context is not None
+            return self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+
+        by_repeat.check(self.config, str(self.config.hydra.launcher._target_))
+        configs = [by_repeat.job_config(compose, job) for job in batch]
+        shared = by_repeat.shared_process(self.config.lockstep.process, configs)
+        ends = by_repeat.incarnation(
+            self.config, batch, self.job_index, compose, outcome.current_sweep_state().running,
+            shared, by_repeat.names(batch, batch),
+        )  # fmt: skip
+        return [end.output_dir for end in ends]
 
     def _composes(self, overrides: list[str]) -> str:
         """What keeps `overrides` from composing, "" when they compose."""
