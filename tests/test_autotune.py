@@ -237,6 +237,7 @@ def test_autotune_follows_the_verdict_and_decides_by_the_measured_interval(
     assert "Autotune stopped" in output_of(result)
 
 
+@pytest.mark.alone  # slices a neighbour shared are set aside: no other test beside it
 def test_autotune_in_lockstep_pairs_its_candidate_round_by_round(
     tmp_path: Path, mlflow_template_db: Path
 ) -> None:

@@ -95,7 +95,7 @@ def run_incarnation(
                     for index, (end, cfg) in enumerate(zip(ends, configs, strict=True))
                 ],
             )
-            command = [sys.executable, "-m", together.__name__, str(shared)]
+            command = [sys.executable, "-m", "accelexp.lockstep_process", str(shared)]
             processes.append(_start(command, environment))
             everyone = {i: end.number for i, end in enumerate(ends)}
             waiters = [

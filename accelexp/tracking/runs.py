@@ -484,7 +484,12 @@ class Tracker:
         dataset = MetaDataset(origin, name=name, digest=digest)._to_mlflow_entity()
         tags = [InputTag(MLFLOW_DATASET_CONTEXT, context)]
         with self._writing(f"the data set {name}"):
-            self._client.log_inputs(self.run_id, datasets=[DatasetInput(dataset, tags)])
+            try:
+                self._client.log_inputs(self.run_id, datasets=[DatasetInput(dataset, tags)])
+            except Exception as error:  # a job beside it made the same set at the same moment
+                if "UNIQUE constraint failed: datasets" not in str(error):
+                    raise
+                self._client.log_inputs(self.run_id, datasets=[DatasetInput(dataset, tags)])
 
     def log_model(self, model: Any, input_example: Any, name: str = "model") -> None:
         """`model` (a torch module on the CPU) as an MLflow model of this run, for the UI's Models
