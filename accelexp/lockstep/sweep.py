@@ -142,7 +142,6 @@ class Repeats:
         self.sweep = sweep
         self.configurations = configurations
         self.launch = launch
-        self.sweep_dir = Path(config.hydra.sweep.dir)
         self.lockstep = config.compare == "lockstep"
         self.shared = False  # the jobs of an incarnation as threads of one process
         target = config.precision_target

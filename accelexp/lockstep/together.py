@@ -43,7 +43,6 @@ overrides and lockstep address; SPEC_DIR/ends.json gets each job's exit code.
 from __future__ import annotations
 
 import json
-import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +54,6 @@ from omegaconf import DictConfig, OmegaConf
 from accelexp.lockstep.gate import LockstepGate
 from accelexp.record import PROCESS_SHARED
 
-log = logging.getLogger(__name__)
 SPEC = "jobs.json"
 ENDS = "ends.json"
 
