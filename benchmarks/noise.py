@@ -491,6 +491,7 @@ class DesignTrial:
     rounds: int = 0  # lockstep: paired rounds behind the ratio
     set_aside: int = 0  # lockstep: slices a neighbour shared; repeats: runs flagged contended
     hogged: bool = False
+    repeats: int = 0  # repeats both sides completed
     incarnations: list[Estimate] = field(default_factory=list)  # lockstep: each alone
 
 
@@ -503,24 +504,39 @@ def flagged(record: RunRecord) -> bool:
 LOCKSTEP_DESIGNS = {"shared": "lockstep.process=shared", "own": "lockstep.process=own"}
 
 
-def design_command(args: argparse.Namespace, store: Path, design: str, name: str) -> list[str]:
-    compare = ["compare=repeats"] if design == "repeats" else [
-        "compare=lockstep", LOCKSTEP_DESIGNS[design]
-    ]  # fmt: skip
+def design_command(
+    args: argparse.Namespace, store: Path, design: str, name: str, repeats: int | None = None
+) -> list[str]:
+    """The sweep of one trial: lockstep designs sample to `--precision-target` when given;
+    whole-run repeats run `repeats` (the lockstep trial's count, for equal cost) or `--repeats`."""
+    if design == "repeats":
+        compare = ["compare=repeats", f"repeats={repeats or args.repeats}"]
+    else:
+        compare = ["compare=lockstep", LOCKSTEP_DESIGNS[design], f"repeats={args.repeats}"]
+        if args.precision_target:
+            compare += [f"precision_target={args.precision_target}",
+                        f"max_repeats={args.max_repeats}"]  # fmt: skip
     return [
         sys.executable, "run.py", "-m", "+mlflow.tags.side=a,b", *compare,
-        f"repeats={args.repeats}", f"epochs={args.epochs}", f"max_steps_per_epoch={args.steps}",
+        f"epochs={args.epochs}", f"max_steps_per_epoch={args.steps}",
         f"threads={args.threads}", f"lockstep.slice_steps={args.slice_steps}",
         "target_accuracy=null", "progress=false", f"mlflow.tracking_uri={uri(store)}",
         f"mlflow.experiment={name}", f"hydra.sweep.dir={store / name}",
     ]  # fmt: skip
 
 
-def run_design(args: argparse.Namespace, store: Path, design: str, trial: int, hog: bool):
+def run_design(
+    args: argparse.Namespace,
+    store: Path,
+    design: str,
+    trial: int,
+    hog: bool,
+    repeats: int | None = None,
+):
     """One sweep of `design`, with a one-core hog from `--hog-after` s for `--hog-for` s when
     `hog`; its A/A ratio computed as the report computes it."""
     name = f"{design}-{trial}"
-    command = design_command(args, store, design, name)
+    command = design_command(args, store, design, name, repeats)
     print(f"  [{name}{' + hog' if hog else ''}] {' '.join(command[3:-3])}", flush=True)
     started = time.perf_counter()
     hogs: Hog | None = None
@@ -550,6 +566,7 @@ def run_design(args: argparse.Namespace, store: Path, design: str, trial: int, h
     by = {(r.tags.get("side"), r.tags.get(REPEAT_INDEX)): r for r in records}
     result = DesignTrial(design, trial, None, wall, cpu_seconds(usage), hogged=hog)
     repeats = sorted({i for _, i in by if all((side, i) in by for side in SIDES)})
+    result.repeats = len(repeats)
     if design in LOCKSTEP_DESIGNS:
         incarnations = []
         for i in repeats:
@@ -583,13 +600,22 @@ def designs(args: argparse.Namespace, store: Path) -> list[tuple[str, bool]]:
     chosen = args.designs.split(",")
     lockstep = next((d for d in chosen if d in LOCKSTEP_DESIGNS), "shared")  # the hogged one
     for trial in range(args.trials):
-        for design in chosen if trial % 2 == 0 else chosen[::-1]:
-            trials.append(run_design(args, store, design, trial, hog=False))
+        if args.precision_target:  # lockstep samples to the target; repeats then match its cost
+            order = sorted(chosen, key=lambda d: d == "repeats")
+        else:
+            order = chosen if trial % 2 == 0 else chosen[::-1]
+        matched: int | None = None
+        for design in order:
+            if design == "repeats" and trial >= args.repeats_trials:
+                continue
+            trials.append(run_design(args, store, design, trial, hog=False, repeats=matched))
+            if args.precision_target and design in LOCKSTEP_DESIGNS:
+                matched = trials[-1].repeats or None
     for trial in range(args.hogged_trials):
         trials.append(run_design(args, store, lockstep, args.trials + trial, hog=True))
     print(
         f"\n{'design':<10}{'trial':>6}{'hog':>5}  {'b / a (95 %)':<28}{'±%':>6}{'holds 1':>9}"
-        f"{'rounds':>8}{'aside':>7}{'wall s':>8}{'cpu s':>8}  each incarnation alone"
+        f"{'reps':>5}{'rounds':>8}{'aside':>7}{'wall s':>8}{'cpu s':>8}  each incarnation alone"
     )
     for t in trials:
         e = t.estimate
@@ -600,7 +626,7 @@ def designs(args: argparse.Namespace, store: Path) -> list[tuple[str, bool]]:
         print(
             f"{t.design:<10}{t.trial:>6}{'yes' if t.hogged else 'no':>5}  {text:<28}"
             f"{100 * half:>6.1f}{'yes' if e is not None and e.contains(1.0) else 'NO':>9}"
-            f"{t.rounds:>8}{t.set_aside:>7}{t.wall_s:>8.0f}{t.cpu_s:>8.0f}  {alone}"
+            f"{t.repeats:>5}{t.rounds:>8}{t.set_aside:>7}{t.wall_s:>8.0f}{t.cpu_s:>8.0f}  {alone}"
         )
     goals = []
     for design in chosen:
@@ -652,8 +678,20 @@ def main() -> None:
     parser.add_argument("--slice-steps", type=int, default=8, help="--designs: lockstep turn")
     parser.add_argument("--hog-after", type=float, default=30.0, help="--designs: s into sweep")
     parser.add_argument("--hog-for", type=float, default=40.0, help="--designs: hog seconds")
+    parser.add_argument(
+        "--precision-target",
+        type=float,
+        help="--designs: lockstep adds repeats until this half-width (precision_target=); "
+        "repeats then run as many repeats as lockstep took (equal cost) and go second",
+    )
+    parser.add_argument("--max-repeats", type=int, default=10, help="--precision-target's budget")
+    parser.add_argument(
+        "--repeats-trials", type=int, help="--designs: trials of the repeats design (--trials)"
+    )
     args = parser.parse_args()
     args.order = args.order.split(",")
+    if args.repeats_trials is None:
+        args.repeats_trials = args.trials
     if sorted(args.order) != sorted(SIDES):
         parser.error(f"--order: the sides {','.join(SIDES)} in some order")
     conditions = [args.only] if args.only else ["quiet", "hogged"]
