@@ -562,9 +562,17 @@ def run_design(
     wall = time.perf_counter() - started
     if os.waitstatus_to_exitcode(status) != 0:
         print(f"    the sweep exited {os.waitstatus_to_exitcode(status)}: {store / name}.log")
+    result = DesignTrial(design, trial, None, wall, cpu_seconds(usage), hogged=hog)
+    measure_design(store, result)
+    print(f"    {row(result)}", flush=True)
+    return result
+
+
+def measure_design(store: Path, result: DesignTrial) -> DesignTrial:
+    """`result`'s A/A ratio from its sweep's runs in `store`, as the report computes it."""
+    design, name = result.design, f"{result.design}-{result.trial}"
     records = query.experiment_runs(uri(store), query.experiment_id(uri(store), name))
     by = {(r.tags.get("side"), r.tags.get(REPEAT_INDEX)): r for r in records}
-    result = DesignTrial(design, trial, None, wall, cpu_seconds(usage), hogged=hog)
     repeats = sorted({i for _, i in by if all((side, i) in by for side in SIDES)})
     result.repeats = len(repeats)
     if design in LOCKSTEP_DESIGNS:
@@ -592,6 +600,20 @@ def run_design(
     return result
 
 
+def row(t: DesignTrial) -> str:
+    """One trial as a line of the table `designs` prints."""
+    e = t.estimate
+    text = stats.format_estimate(e, "{:.4f}") if e is not None else "no pairs"
+    half = e.relative_halfwidth() if e is not None and e.has_interval else math.nan
+    alone = " ".join(f"{x.value:.3f}±{100 * (x.relative_halfwidth() or 0):.1f}%"
+                     for x in t.incarnations)  # fmt: skip
+    return (
+        f"{t.design:<10}{t.trial:>6}{'yes' if t.hogged else 'no':>5}  {text:<28}"
+        f"{100 * half:>6.1f}{'yes' if e is not None and e.contains(1.0) else 'NO':>9}"
+        f"{t.repeats:>5}{t.rounds:>8}{t.set_aside:>7}{t.wall_s:>8.0f}{t.cpu_s:>8.0f}  {alone}"
+    )
+
+
 def designs(args: argparse.Namespace, store: Path) -> list[tuple[str, bool]]:
     """`--trials` A/A trials of each design, alternating which goes first, each a sweep of
     fresh processes at the same size (so at about equal wall time); then the lockstep design
@@ -599,35 +621,27 @@ def designs(args: argparse.Namespace, store: Path) -> list[tuple[str, bool]]:
     trials: list[DesignTrial] = []
     chosen = args.designs.split(",")
     lockstep = next((d for d in chosen if d in LOCKSTEP_DESIGNS), "shared")  # the hogged one
-    for trial in range(args.trials):
+    first = args.first_trial
+    for trial in range(first, first + args.trials):
         if args.precision_target:  # lockstep samples to the target; repeats then match its cost
             order = sorted(chosen, key=lambda d: d == "repeats")
         else:
             order = chosen if trial % 2 == 0 else chosen[::-1]
         matched: int | None = None
         for design in order:
-            if design == "repeats" and trial >= args.repeats_trials:
+            if design == "repeats" and trial - first >= args.repeats_trials:
                 continue
             trials.append(run_design(args, store, design, trial, hog=False, repeats=matched))
             if args.precision_target and design in LOCKSTEP_DESIGNS:
                 matched = trials[-1].repeats or None
     for trial in range(args.hogged_trials):
-        trials.append(run_design(args, store, lockstep, args.trials + trial, hog=True))
+        trials.append(run_design(args, store, lockstep, first + args.trials + trial, hog=True))
     print(
         f"\n{'design':<10}{'trial':>6}{'hog':>5}  {'b / a (95 %)':<28}{'±%':>6}{'holds 1':>9}"
         f"{'reps':>5}{'rounds':>8}{'aside':>7}{'wall s':>8}{'cpu s':>8}  each incarnation alone"
     )
     for t in trials:
-        e = t.estimate
-        text = stats.format_estimate(e, "{:.4f}") if e is not None else "no pairs"
-        half = e.relative_halfwidth() if e is not None and e.has_interval else math.nan
-        alone = " ".join(f"{x.value:.3f}±{100 * (x.relative_halfwidth() or 0):.1f}%"
-                         for x in t.incarnations)  # fmt: skip
-        print(
-            f"{t.design:<10}{t.trial:>6}{'yes' if t.hogged else 'no':>5}  {text:<28}"
-            f"{100 * half:>6.1f}{'yes' if e is not None and e.contains(1.0) else 'NO':>9}"
-            f"{t.repeats:>5}{t.rounds:>8}{t.set_aside:>7}{t.wall_s:>8.0f}{t.cpu_s:>8.0f}  {alone}"
-        )
+        print(row(t))
     goals = []
     for design in chosen:
         quiet = [t for t in trials if t.design == design and not t.hogged]
@@ -684,6 +698,7 @@ def main() -> None:
         help="--designs: lockstep adds repeats until this half-width (precision_target=); "
         "repeats then run as many repeats as lockstep took (equal cost) and go second",
     )
+    parser.add_argument("--first-trial", type=int, default=0, help="--designs: number from")
     parser.add_argument("--max-repeats", type=int, default=10, help="--precision-target's budget")
     parser.add_argument(
         "--repeats-trials", type=int, help="--designs: trials of the repeats design (--trials)"
