@@ -645,6 +645,8 @@ def designs(args: argparse.Namespace, store: Path) -> list[tuple[str, bool]]:
     goals = []
     for design in chosen:
         quiet = [t for t in trials if t.design == design and not t.hogged]
+        if not quiet:  # --repeats-trials 0
+            continue
         halves = [t.estimate.relative_halfwidth() for t in quiet if t.estimate is not None
                   and t.estimate.has_interval]  # fmt: skip
         held = sum(1 for t in quiet if t.estimate is not None and t.estimate.contains(1.0))
