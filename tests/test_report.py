@@ -36,7 +36,7 @@ from accelexp.report import (
     write_sweep_report,
 )
 from accelexp.report.cli import sweep_title
-from accelexp.report.compare import everything_set_aside
+from accelexp.report.compare import everything_set_aside, sweep_baseline
 from accelexp.tracking import query
 from accelexp.tracking.query import RunRecord
 from accelexp.train import run
@@ -297,6 +297,21 @@ def test_no_baseline_is_an_error_listing_the_configurations_unless_lenient():
     rows = compare(records, strict=False)
     assert [r.speedup for r in rows] == [None, None]
     assert rows[1].amp_gain == pytest.approx(3 / 200)
+
+
+def test_a_sweeps_own_ratios_are_taken_against_its_first_run_over_what_varies():
+    """`precision_target` reads the sweep's ratios: a sweep of a speed switch at bf16 has them
+    (the report's default baseline, fp32, matches none of its runs); an A/A sweep too."""
+    r0 = {"repeat_index": "0"}
+    runs = [
+        record("cl", "single", 1, "bf16", [0, 330], start=2, tags={"speed": "channels_last", **r0}),
+        record("eager", "single", 1, "bf16", [0, 300], start=1, tags=r0),
+    ]  # fmt: skip
+    assert sweep_baseline(runs) == {"speed": "eager"}
+    by_name = {row.run_name: row for row in compare(runs, sweep_baseline(runs))}
+    assert by_name["cl"].speedup == pytest.approx(1.1)
+    assert [r.speedup for r in compare(runs, strict=False)] == [None, None]
+    assert sweep_baseline(runs[1:]) == {"world_size": "1", "precision": "bf16"}
 
 
 def test_a_failed_baseline_does_not_count():

@@ -208,15 +208,16 @@ class Repeats:
         return names(jobs, self.configurations)
 
     def precision(self, repeats: int) -> Sampled:
-        """The widest relative half-width of the sweep's ratios, as the report computes them."""
-        from accelexp.report.compare import compare
+        """The widest relative half-width of the sweep's ratios, as the report computes them
+        against the sweep's first configuration (`compare.sweep_baseline`)."""
+        from accelexp.report.compare import compare, sweep_baseline
         from accelexp.tracking.query import child_runs
 
         run_id = getattr(self.sweep, "run_id", None)
         if run_id is None:
             return Sampled(repeats, None, "the sweep has no parent run")
         records = child_runs(self.config.mlflow.tracking_uri, run_id)
-        rows = compare(records, strict=False)
+        rows = compare(records, sweep_baseline(records), strict=False)
         widest, worst = -1.0, ""
         for row in rows:
             if row.baseline_run is None or row.baseline_run == row.run_name:

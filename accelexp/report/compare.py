@@ -199,6 +199,19 @@ def setting(record: RunRecord, key: str) -> str | None:
     return record.setting(key) or SETTING_DEFAULTS.get(key)
 
 
+def sweep_baseline(records: Sequence[RunRecord]) -> dict[str, str]:
+    """What a sweep's own ratios are taken against: its first run's settings over the keys a
+    baseline can name that vary within the sweep (`-m speed.channels_last=false,true`: its
+    speed), or its world size and precision where none varies (the same for every run).
+    Whichever side is the baseline, a ratio's relative half-width on the log scale is the same."""
+    if not records:
+        return parse_baseline(DEFAULT_BASELINE)
+    first = min(records, key=lambda r: (r.tags.get(REPEAT_INDEX) != "0", r.start_time))
+    varying = [k for k in BASELINE_KEYS if len({setting(r, k) for r in records}) > 1]
+    keys = varying or [WORLD_SIZE, PRECISION]
+    return {k: value for k in keys if (value := setting(first, k)) is not None}
+
+
 def matches(record: RunRecord, selector: Mapping[str, str]) -> bool:
     return all(setting(record, key) == value for key, value in selector.items())
 
