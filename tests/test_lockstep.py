@@ -20,9 +20,11 @@ import pytest
 from conftest import new_store, output_of
 from jobs import Job
 from mlflow import MlflowClient
+from omegaconf import OmegaConf
 from test_sweeps import TINY, runs_of, sweep
 
 from accelexp import stats
+from accelexp.lockstep import sweep as by_repeat
 from accelexp.lockstep.sweep import memory_problem
 from accelexp.record import (
     COMPARE,
@@ -206,6 +208,22 @@ def test_a_precision_target_stops_sampling(tmp_path: Path, mlflow_template_db: P
     assert spent.returncode == 0, output_of(spent)
     assert "budget spent at" in output_of(spent)
     assert {c.data.tags[REPEAT_INDEX] for c in runs_of(uri)[1]} == {"0", "1", "2"}
+
+
+def test_a_sweep_with_no_ratio_to_sample_stops_at_the_least_repeats(monkeypatch) -> None:
+    """More repeats cannot give a ratio to configurations the report does not compare: the
+    sweep says so and stops instead of spending max_repeats."""
+    config = OmegaConf.create({"compare": "repeats", "precision_target": 0.02, "repeats": 1,
+                               "max_repeats": 8, "seed": 0, "repeat_seed": "vary"})  # fmt: skip
+    launched: list[int] = []
+    jobs = [["optimizer.lr=0.1"], ["optimizer.lr=0.2"]]
+    repeats = by_repeat.Repeats(
+        config, jobs, lambda batch, n: launched.append(n), lambda o: config, None
+    )
+    unmeasured = by_repeat.Sampled(0, None, by_repeat.NO_RATIO)
+    monkeypatch.setattr(repeats, "precision", lambda n: unmeasured)
+    repeats.run()
+    assert launched == [0, 2]  # two repeats of two configurations, not eight
 
 
 def test_a_process_bias_is_inside_the_interval_across_incarnations() -> None:

@@ -28,6 +28,7 @@ from accelexp.sweeper import repeated
 
 log = logging.getLogger(__name__)
 MIN_REPEATS_FOR_TARGET = 2  # an interval over repeats (incarnations) needs two
+NO_RATIO = "no ratio to measure"
 
 
 @dataclass
@@ -189,6 +190,15 @@ class Repeats:
             log.info("%s", precision.line(config.precision_target, spent))
             if precision.halfwidth is not None and precision.halfwidth <= config.precision_target:
                 break
+            if precision.worst == NO_RATIO:  # more repeats cannot give it one
+                log.warning(
+                    "precision_target: no ratio of this sweep can be measured (its "
+                    "configurations differ in more than world size, precision, parallelism, "
+                    "model, data or speed switches, or its first configuration measured "
+                    "nothing): stopping after %d repeat(s); accelexp-report says why per row.",
+                    index + 1,
+                )
+                break
         return returns
 
     @staticmethod
@@ -229,7 +239,7 @@ class Repeats:
             if relative > widest:
                 widest, worst = relative, row.run_name
         if widest < 0:
-            return Sampled(repeats, None, "no ratio to measure")
+            return Sampled(repeats, None, NO_RATIO)
         return Sampled(repeats, widest, worst)
 
 
