@@ -73,6 +73,8 @@ def test_each_rule_flags_with_its_figure(device: str, changes: dict, figure: str
         ("cpu", {"step_spread": 3.0}),  # irregular steps, nobody else
         ("cpu", {"load1": 7.0}),  # the load includes the job's own threads
         ("cuda", {"gpu_throttle": "sw_power_cap"}),  # a busy GPU at its power limit
+        # a lockstep slice of 5 ms: one 10-ms tick of others' CPU time reads as 2 cores
+        ("cpu", {"wall_s": 0.005, "others_cores": 2.0, "cpu_util": 0.4, "step_spread": 3.0}),
     ],
 )
 def test_weak_evidence_alone_does_not_flag(device: str, changes: dict) -> None:

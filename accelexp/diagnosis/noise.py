@@ -28,6 +28,8 @@ throttle reasons, temperature and SM clock. Ranks are combined by an elementwise
   power cap, which a busy datacenter GPU hits all the time; its cost shows in the clock ratio);
   an SM clock below `CLOCK_RATIO_MIN` of the maximum while the GPU was busy.
 The load is reported with the evidence but flags nothing: the job's own threads are in it.
+A window shorter than `WINDOW_MIN_S` (a lockstep slice of a few tiny steps) gives no CPU
+evidence: CPU time is counted in 10-ms ticks, and one tick over 5 ms reads as two cores.
 
 Calibration, on a 2-core shared VM: the probe around 3 s of matmuls (tests/test_noise.py's
 loop), quiet and beside a one-core busy loop of another process, 3-5 repeats each. One torch
@@ -47,7 +49,7 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +67,7 @@ STEAL_MAX = 0.05  # share of CPU time the hypervisor stole
 CPU_UTIL_MIN = 0.75  # share of its asked threads a CPU run must get (hogged: 0.63)
 SPREAD_MAX = 2.0  # p90 / p50 of the step times
 SPREAD_MIN_STEPS = 8  # fewer steps give no p90 worth the name
+WINDOW_MIN_S = 0.2  # CPU time is counted in ticks of 10 ms: a tick is 5 % of a core over 0.2 s
 CLOCK_RATIO_MIN = 0.8  # SM clock / max SM clock, while the GPU is busy
 GPU_BUSY_MIN = 50  # % utilisation (NVML) above which the GPU counts as busy
 # NVML clock-event (throttle) reasons that slow clocks; idle and application clocks do not count
@@ -329,7 +332,11 @@ SENTENCES = {  # figure: (the worst of several epochs', the evidence)
 
 
 def _strong(s: NoiseSample, cpu: bool, asked: int) -> set[str]:
-    """The figures of one sample that are evidence of contention (see the module's docstring)."""
+    """The figures of one sample that are evidence of contention (see the module's docstring).
+    A window shorter than `WINDOW_MIN_S` gives no CPU evidence: one tick of CPU time more or
+    less over a few milliseconds reads as cores (a lockstep slice of one tiny step)."""
+    if s.wall_s < WINDOW_MIN_S:
+        s = replace(s, others_cores=None, steal=None, cpu_util=None, step_spread=None, load1=0.0)
     others = s.others_cores or 0.0
     seen = others >= OTHERS_HINT if s.others_cores is not None else (s.load1 or 0) > s.host_cores
     room = asked + others > s.host_cores - FREE_CORES or others >= OTHERS_SHARE * s.host_cores
