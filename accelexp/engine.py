@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -192,6 +193,8 @@ class Trainer:
         self.probe = ContentionProbe(self.device, torch.get_num_threads())
         self.gate: Gate = NoGate()  # lockstep: passed before each slice of steps
         self.slices: list[Slice] = []  # lockstep: the timed slices trained, all epochs
+        self.slice_s: float | None = None  # lockstep: slices of about this many seconds
+        self.slice_steps: int | None = None  # ... as many steps, once sized (`_Turns.size`)
         self.step_times: list[float] = []  # lockstep: when each step ended (time.monotonic)
 
     def batches_per_epoch(self, loader: BatchLoader) -> int:
@@ -345,21 +348,22 @@ class Trainer:
 
 
 class _Turns:
-    """One epoch's lockstep slices: the gate passed every `gate.slice_steps` steps, the time
-    spent waiting taken out of the epoch's clock and contention probe, each whole slice of
-    timed steps recorded (`Trainer.slices`) with its own verdict: did a neighbour on this host
-    take CPU during it (`accelexp.diagnosis.noise`)."""
+    """One epoch's lockstep slices: the gate passed every `gate.slice_steps` steps (or, with
+    `Trainer.slice_s`, as many as last that long: `size`), the time spent waiting taken out of
+    the epoch's clock and contention probe, each whole slice of timed steps recorded
+    (`Trainer.slices`) with its own verdict: did a neighbour on this host take CPU during it
+    (`accelexp.diagnosis.noise`)."""
 
     def __init__(self, trainer: Trainer, epoch: int, warmup: int) -> None:
         self.trainer, self.epoch, self.warmup = trainer, epoch, warmup
-        self.every = trainer.gate.slice_steps or 0
+        self.every = trainer.slice_steps or trainer.gate.slice_steps or 0
         self.threads = torch.get_num_threads()
         self.probe = ContentionProbe(trainer.device, self.threads)
         self.open: tuple[int, int, int, float] | None = None  # round, first step, seen, start
 
     def at(self, step: int, seen: int, last: bool = False) -> None:
         """Before `step` (or after the epoch's `last`): close the slice that ran, take a turn."""
-        if not last and step % self.every:
+        if not last and self.open is not None and step - self.open[1] < self.every:
             return
         trainer = self.trainer
         synchronize(trainer.device)  # no work of this job queued during another's turn
@@ -377,6 +381,7 @@ class _Turns:
                 trainer.slices.append(
                     Slice(round_, self.epoch, samples, now - began, noise.contended)
                 )
+                self.size(times)
             self.open = None
         if last:
             return
@@ -387,3 +392,20 @@ class _Turns:
         trainer.probe.resume()
         self.probe.start()
         self.open = (round_, step, seen, time.perf_counter())
+
+    def size(self, step_seconds: list[float]) -> None:
+        """`Trainer.slice_s`: after the process's first timed slice, a slice is as many steps as
+        last `slice_s` at the slowest rank's median step, so that jobs whose steps differ in
+        length (fp32 and bf16) sample the host's drift over the same time and their slices
+        pair evenly. Every rank reaches it at the same step (its turn) and agrees."""
+        trainer = self.trainer
+        if trainer.slice_s is None or trainer.slice_steps is not None:
+            return
+        median = torch.tensor(statistics.median(step_seconds), dtype=torch.float64)
+        step_s = trainer.strategy.sync.reduce_max(median.to(trainer.device)).item()
+        trainer.slice_steps = self.every = max(1, round(trainer.slice_s / step_s))
+        if trainer.strategy.shape.is_main:
+            log.info(
+                "lockstep: slices of %d steps (%.0f ms a step, lockstep.slice_s=%g)",
+                self.every, step_s * 1e3, trainer.slice_s,
+            )  # fmt: skip

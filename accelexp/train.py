@@ -244,6 +244,7 @@ def _run(
         warmup_steps=switches.warmup_steps,
     )
     trainer.gate = gate  # its turns and the steps' ends are kept in the job's folder
+    trainer.slice_s = cfg.lockstep.slice_s
     gate.keep_record(output_dir / record.lockstep_file(strategy.shape.rank), trainer.step_times)
     profiler = StepProfiler(cfg, output_dir, strategy.shape.rank, strategy.device)
     trainer.profiler = profiler if profiler.enabled else None

@@ -140,6 +140,25 @@ def test_jobs_sharing_one_process_take_turns_and_train_as_they_would_alone(
     assert ratio(b, a).method.startswith("lockstep in one process"), ratio(b, a)
 
 
+@pytest.mark.alone  # slices a neighbour shared are set aside: no other test beside it
+def test_slices_in_seconds_give_a_job_of_slow_steps_fewer_steps_a_turn(
+    tmp_path: Path, mlflow_template_db: Path
+) -> None:
+    """`lockstep.slice_s`: each job's slices are sized from its first timed slice, so a job
+    whose batches arrive 100 ms late holds at most 3 steps a 0.3-s turn, one of plain tiny
+    steps more (the first turns hold `slice_steps`=1)."""
+    result, _ = sweep(tmp_path, mlflow_template_db, "debug.input_delay_ms=0,100",
+                      "max_steps_per_epoch=30", "epochs=1", "lockstep.slice_s=0.3",
+                      *TURN_OF_ONE_STEP)  # fmt: skip
+    assert result.returncode == 0, output_of(result)
+    held = {}  # steps trained in each turn, by job
+    for job in (0, 1):
+        turns, step_ends = windows(tmp_path / "sweep" / str(job), 0)
+        held[job] = [sum(granted <= end <= back for end in step_ends) for _, granted, back in turns]
+    plain, delayed = max(held[0]), max(held[1])
+    assert delayed <= 3 < plain, held
+
+
 @pytest.mark.parametrize("process", ["own", "shared"])
 def test_a_crashed_job_ends_alone_and_the_others_go_on(
     tmp_path: Path, mlflow_template_db: Path, process: str

@@ -392,6 +392,11 @@ class LockstepConfig:
         choices=("auto", "shared", "own"),
     )
     slice_steps: int = key(8, "training steps in one job's turn (a slice)")
+    slice_s: float | None = key(
+        None,
+        "seconds in a slice: each job's steps per slice sized from its first timed slice, so "
+        "jobs whose steps differ in length sample the host alike; null: slice_steps throughout",
+    )
     warmup_rounds: int = key(2, "rounds of each epoch left out of the ratios (caches, allocator)")
     epochs_per_process: int | None = key(
         1, "a one-process job goes on in a fresh process after this many epochs; null: never"

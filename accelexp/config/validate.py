@@ -109,6 +109,7 @@ def _rules() -> list[Rule]:
         ("max_repeats", lambda v: v >= 2, "an integer >= 2"),
         _one_of("lockstep.process"),
         ("lockstep.slice_steps", *at_least_one),
+        ("lockstep.slice_s", lambda v: v is None or v > 0, "null or a number of seconds > 0"),
         ("lockstep.warmup_rounds", lambda v: v >= 0, "an integer >= 0"),
         ("lockstep.epochs_per_process", *optional_at_least_one),
         ("objective", objective.valid, objective.ALLOWED),
