@@ -28,6 +28,7 @@ give the throughput's interval (`throughput`, batch means). Over the same timed 
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import statistics
@@ -352,7 +353,14 @@ class _Turns:
     `Trainer.slice_s`, as many as last that long: `size`), the time spent waiting taken out of
     the epoch's clock and contention probe, each whole slice of timed steps recorded
     (`Trainer.slices`) with its own verdict: did a neighbour on this host take CPU during it
-    (`accelexp.diagnosis.noise`)."""
+    (`accelexp.diagnosis.noise`).
+
+    Python's garbage collector runs at the gates, not in the slices: a full collection of a
+    training process takes about 200 ms here, and landing in one side's 0.5-s slice it read as
+    that side 30-45 % slower for the round (in pairs of rounds, every ~15 s: bf16 vs fp32 in one
+    process). So a lockstep job's process collects by hand (torchtitan's way): the young
+    generations at each gate, in its own turn and off the clock; everything after each epoch's
+    last step, untimed."""
 
     def __init__(self, trainer: Trainer, epoch: int, warmup: int) -> None:
         self.trainer, self.epoch, self.warmup = trainer, epoch, warmup
@@ -360,6 +368,7 @@ class _Turns:
         self.threads = torch.get_num_threads()
         self.probe = ContentionProbe(trainer.device, self.threads)
         self.open: tuple[int, int, int, float] | None = None  # round, first step, seen, start
+        gc.disable()  # a lockstep job's process: collected at the gates (class doc)
 
     def at(self, step: int, seen: int, last: bool = False) -> None:
         """Before `step` (or after the epoch's `last`): close the slice that ran, take a turn."""
@@ -384,9 +393,11 @@ class _Turns:
                 self.size(times)
             self.open = None
         if last:
+            gc.collect()
             return
         trainer.clock.pause()
         trainer.probe.pause()
+        gc.collect(1)
         round_ = trainer.gate.turn()
         trainer.clock.resume()
         trainer.probe.resume()
