@@ -198,6 +198,7 @@ def test_sigint_stops_every_job_and_closes_every_run(
     finally:
         job.kill_everything()
     assert code == 128 + signal.SIGINT, job.output
+    assert "go on alone" not in job.output  # every job was stopped, none goes on
     parent, children = runs_of(uri)
     assert parent.info.status == "KILLED"
     assert len(children) == 2 and {c.info.status for c in children} == {"KILLED"}

@@ -10,7 +10,9 @@ spinning: the jobs run with `OMP_WAIT_POLICY=PASSIVE`; no GPU work queued: a job
 device before it hands the turn on), then hands the turn to the next; a *round* is one slice of
 each job, the order reversed every other round (A B, B A, A B...). Slice r of A and slice r of B
 ran seconds apart, so the drift they share cancels in their ratio: the report pairs the slices
-by round (`accelexp.stats.lockstep_ratio`).
+by round (`accelexp.stats.lockstep_ratio`). With `lockstep.slice_s` a job's slices are sized in
+seconds instead (from its first timed slice); Python's garbage collector runs only at the gates
+(`accelexp.engine._Turns`), never inside a slice.
 
 What pairing by round cannot take away is a bias that lives as long as a process (3-22 % between
 two identical processes here: `docs/statistics.md` has the measurement). Where every job is one

@@ -109,6 +109,7 @@ def run_incarnation(
             while waiter.is_alive():  # joined in steps: a signal gets through between them
                 waiter.join(0.5)
     except KeyboardInterrupt:
+        turns.stopping()
         _stop(processes)
         status = KILLED
         raise

@@ -65,6 +65,7 @@ class Turns:
         self._holder: int | None = None
         self._order: list[int] = []
         self._started = False
+        self._stopping = False  # the sweep stops every job (SIGINT/SIGTERM): none goes on alone
         self._done = threading.Event()
         threading.Thread(target=self._accept, name="lockstep-accept", daemon=True).start()
         threading.Thread(target=self._decide, name="lockstep-turns", daemon=True).start()
@@ -76,6 +77,11 @@ class Turns:
     def job_exited(self, job: int, returncode: int) -> None:
         """Job `job`'s process ended (the sweeper waits for it)."""
         self.events.put(("exit", job, returncode))
+
+    def stopping(self) -> None:
+        """The sweep is stopping every job: a job that stops now is not one that failed beside
+        others going on."""
+        self.events.put(("stopping", -1))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Until every job has ended; False on `timeout`."""
@@ -130,6 +136,9 @@ class Turns:
 
     def _take(self, event: tuple[Any, ...]) -> None:
         kind, index, *rest = event
+        if kind == "stopping":
+            self._stopping = True
+            return
         job = self.jobs[index]
         if kind == "hello":  # a rank's first, or its fresh process's after "again"
             rank, world, conn = rest
@@ -162,7 +171,7 @@ class Turns:
         if job.state != LIVE:
             return
         job.state = FAILED
-        others = [j.name for j in self.jobs if j.state == LIVE]
+        others = [] if self._stopping else [j.name for j in self.jobs if j.state == LIVE]
         when = f"in round {self.rounds - 1}" if self._started else "before the first round"
         going_on = (
             f"; {', '.join(others)} go on alone (their rounds from here on are not paired with it)"
