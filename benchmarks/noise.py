@@ -520,8 +520,10 @@ def design_command(
         sys.executable, "run.py", "-m", "+mlflow.tags.side=a,b", *compare,
         f"epochs={args.epochs}", f"max_steps_per_epoch={args.steps}",
         f"threads={args.threads}", f"lockstep.slice_steps={args.slice_steps}",
-        "target_accuracy=null", "progress=false", f"mlflow.tracking_uri={uri(store)}",
-        f"mlflow.experiment={name}", f"hydra.sweep.dir={store / name}",
+        *([f"lockstep.slice_s={args.slice_s}"] if args.slice_s else []),
+        "target_accuracy=null", "progress=false", *args.run_args.split(),
+        f"mlflow.tracking_uri={uri(store)}", f"mlflow.experiment={name}",
+        f"hydra.sweep.dir={store / name}",
     ]  # fmt: skip
 
 
@@ -692,6 +694,9 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5, help="--designs: A/A trials of each")
     parser.add_argument("--hogged-trials", type=int, default=1, help="--designs: lockstep + hog")
     parser.add_argument("--slice-steps", type=int, default=8, help="--designs: lockstep turn")
+    parser.add_argument(
+        "--slice-s", type=float, help="--designs: lockstep turn in seconds (lockstep.slice_s)"
+    )
     parser.add_argument("--hog-after", type=float, default=30.0, help="--designs: s into sweep")
     parser.add_argument("--hog-for", type=float, default=40.0, help="--designs: hog seconds")
     parser.add_argument(
@@ -704,6 +709,12 @@ def main() -> None:
     parser.add_argument("--max-repeats", type=int, default=10, help="--precision-target's budget")
     parser.add_argument(
         "--repeats-trials", type=int, help="--designs: trials of the repeats design (--trials)"
+    )
+    parser.add_argument(
+        "--run-args",
+        default="",
+        help="--designs: more run.py overrides for both sides, e.g. \"model=resnet50 "
+        'data=synthetic" (a GPU A/A: scripts/gpu_session.sh)',
     )
     args = parser.parse_args()
     args.order = args.order.split(",")

@@ -1,35 +1,34 @@
 #!/usr/bin/env bash
-# THE one script a session with a GPU runs on the device machine, from the repo root: checks,
-# the speed-up ladder and the parity benchmark in one call that ends in under 9 minutes.
+# THE one script a session with a GPU runs on the device machine, from the repo root: checks, a
+# lockstep A/A and the parity benchmark in one call that ends in under 9 minutes.
 #
-# Prepare, here, once per checkout (the device machine has torch 2.11 but no hydra, omegaconf
-# or mlflow, and no internet):
+# Prepare, here, once per checkout (the device machine has torch 2.11, scipy and nvidia-ml-py but
+# no hydra, omegaconf or mlflow, and no internet):
 #   bash ../shared/gpu/wheelhouse.sh        # fills ./.whl (~35 MB of wheels for Python 3.12)
-#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-#       --platform manylinux2014_x86_64 -d .whl nvidia-ml-py   # the noise probe's NVML figures
-#   # (accelexp.stats needs scipy: the versions step prints it; add its wheel the same way if
-#   #  the device lacks it, `--platform manylinux_2_27_x86_64 scipy`)
 #   echo /.whl/ >> .git/info/exclude        # keep them out of git; they travel by `carry`
 #   DRY_RUN=1 bash scripts/gpu_session.sh   # prints the steps and their time limits, runs nothing
 # Then make exactly this device call (the `run` tool), once:
 #   run(command="bash scripts/gpu_session.sh", carry=[".whl"], timeout_s=570)
 # and give the machine back (`give_back`) unless you rerun at once. What comes back under $OUT
-# (at most 8 files): session.log, gpu_check.log, gpu_check.json, ladder.log, ladder.md,
-# ladder.png, parity.log, parity.md.
+# (at most 8 files): session.log, gpu_check.log, gpu_check.json, lockstep.log, lockstep.db (the
+# A/A's MLflow store: every round), lockstep_sweep.log, parity.log, parity.md.
 #
-# The plan, each step under `timeout` within SESSION_S (525 s) from the start (the ~ figures are
-# estimates for an H200; the logs say what it took):
+# The plan (PLAN=speed, the default), each step under `timeout` within SESSION_S (525 s) from the
+# start (the ~ figures are estimates for an H200; the logs say what it took):
 #   ~0:00  wheels into /tmp/site, nvidia-smi, torch/CUDA/GPU          ~20 s  (at most 120 + 60)
 #   ~0:20  scripts/gpu_check.py, checks 1-9 (5 run.py jobs, one compiled) ~120 s (at most 170)
-#   ~2:20  the speed-up ladder: 6 rungs of ResNet-50 at 224 px, batch 256, 2 epochs of 12 steps
-#          (the compile rung compiles ~60 s), then its report (ladder.md)  ~160 s (at most 200 + 60)
-#   ~5:00  benchmarks/gpu_parity.py --plan quick with what is left (~200 s) as --deadline-s: every
+#   ~2:20  lockstep A/A (`benchmarks/noise.py --designs shared`): two identical ResNet-50 jobs,
+#          32 px, batch 128, amp, 8 epochs of 300 steps, in one process taking turns in 0.25-s
+#          slices; the ratio b / a with its interval, rounds and slices set aside ~90 s (at most 150)
+#   ~3:50  benchmarks/gpu_parity.py --plan quick with what is left (~250 s) as --deadline-s: every
 #          configuration once (~115 s), the compiled pair (~75 s), then second repeats while they
 #          fit; pairs that would end after the deadline are skipped and listed, so it always ends
 #          with its table. Planned in full (~5 min) it needs a session of its own.
-# The ladder runs 12 steps per epoch (3072 images), not 30: each of its 6 jobs generates its
-# synthetic set on the host, and at 224 px that costs seconds per thousand images.
 #
+# PLAN=ladder (a session of its own, or after the others): the speed-up ladder, 6 rungs of
+# ResNet-50 at 224 px, batch 256, 2 epochs of 12 steps (the compile rung compiles ~60 s), then its
+# report (ladder.md, ladder.png) ~160 s. 12 steps per epoch (3072 images), not 30: each of its 6
+# jobs generates its synthetic set on the host, and at 224 px that costs seconds per thousand images.
 # PLAN=diagnosis (issue 11's checks, a session of their own) runs instead: ResNet-50 at 32 px,
 # batch 128 with profile=true (expected: overhead-bound, the GPU kept waiting by launches; HTA's
 # figures), the same with the override it suggests (speed.compile=reduce-overhead), and 224 px
@@ -53,6 +52,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/outputs/gpu_session}
 PY=${PYTHON:-python3}
 SESSION_S=${SESSION_S:-525}
+# the lockstep A/A's jobs (the CPU test of this script shrinks them)
+LOCKSTEP_RUN=${LOCKSTEP_RUN:-model=resnet50 data=synthetic data.image_size=32 data.batch_size=128 \
+data.num_train=38400 data.val_fraction=0 data.num_test=256 precision=amp}
 DRY_RUN=${DRY_RUN:-}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/accelexp-session.XXXXXX)
@@ -142,24 +144,38 @@ if [[ ${PLAN:-speed} == memory ]]; then
     exit
 fi
 
+if [[ ${PLAN:-speed} == ladder ]]; then
+    step ladder ladder.log 200 "$PY" run.py -m +experiment=speedups model=resnet50 \
+        data.image_size=224 data.batch_size=256 epochs=2 max_steps_per_epoch=12 \
+        data.num_train=3072 data.val_fraction=0 data.num_test=256 data.eval_batch_size=256 \
+        progress=false "mlflow.tracking_uri=$LADDER_URI" "hydra.sweep.dir=$WORK/ladder"
+    report_s=$(($(left) - 5 < 60 ? $(left) - 5 : 60))
+    log "START report (timeout ${report_s}s)"
+    if [[ -z $DRY_RUN ]] && ((report_s > 5)); then
+        timeout "$report_s" "$PY" -m accelexp.report --experiment speedups --tracking-uri "$LADDER_URI" \
+            --format markdown --output-dir "$WORK/report" >"$OUT/ladder.md" 2>>"$OUT/ladder.log"
+        rc=$?
+        log "END report: exit $rc"
+        ((rc == 0)) || FAILED+=("report (exit $rc)")
+        cp "$WORK/report/ladder.png" "$OUT/" 2>/dev/null || cp "$WORK/ladder/report/ladder.png" \
+            "$OUT/" 2>/dev/null || log "no ladder.png from the report"
+        cat "$OUT/ladder.md"
+    fi
+    [[ -n $DRY_RUN ]] && rm -rf "$WORK"
+    log "done in ${SECONDS}s; failed or skipped: ${FAILED[*]:-none}"
+    ((${#FAILED[@]} == 0))
+    exit
+fi
+
 step gpu_check gpu_check.log 170 "$PY" scripts/gpu_check.py --only 1,2,3,4,5,6,7,8,9 --json "$OUT/gpu_check.json"
 
-step ladder ladder.log 200 "$PY" run.py -m +experiment=speedups model=resnet50 \
-    data.image_size=224 data.batch_size=256 epochs=2 max_steps_per_epoch=12 \
-    data.num_train=3072 data.val_fraction=0 data.num_test=256 data.eval_batch_size=256 \
-    progress=false "mlflow.tracking_uri=$LADDER_URI" "hydra.sweep.dir=$WORK/ladder"
-report_s=$(($(left) - 5 < 60 ? $(left) - 5 : 60))
-log "START report (timeout ${report_s}s)"
-if [[ -z $DRY_RUN ]] && ((report_s > 5)); then
-    timeout "$report_s" "$PY" -m accelexp.report --experiment speedups --tracking-uri "$LADDER_URI" \
-        --format markdown --output-dir "$WORK/report" >"$OUT/ladder.md" 2>>"$OUT/ladder.log"
-    rc=$?
-    log "END report: exit $rc"
-    ((rc == 0)) || FAILED+=("report (exit $rc)")
-    cp "$WORK/report/ladder.png" "$OUT/" 2>/dev/null || cp "$WORK/ladder/report/ladder.png" \
-        "$OUT/" 2>/dev/null || log "no ladder.png from the report"
-    cat "$OUT/ladder.md"
-fi
+# lockstep A/A on one GPU: two identical ResNet-50 jobs (32 px, launch-bound: where the host's
+# noise shows) as greenlets of one process taking turns in 0.25-s slices; its store comes back
+step lockstep_aa lockstep.log 150 env TMPDIR="$WORK" "$PY" benchmarks/noise.py --designs shared \
+    --trials 1 --hogged-trials 0 --repeats 1 --epochs 8 --steps 300 --threads 4 --slice-s 0.25 \
+    --keep --run-args "$LOCKSTEP_RUN"
+cp "$WORK"/accelexp-aa-*/mlflow.db "$OUT/lockstep.db" 2>/dev/null
+cp "$WORK"/accelexp-aa-*/shared-0.log "$OUT/lockstep_sweep.log" 2>/dev/null
 
 deadline=$(($(left) - 25)) # the parity benchmark's own cut; `timeout` is the hard stop after it
 step parity parity.log $((deadline + 15)) "$PY" benchmarks/gpu_parity.py --plan quick \

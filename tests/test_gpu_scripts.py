@@ -350,13 +350,25 @@ def test_session_script_parses_and_its_dry_run_lists_every_step(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     started = re.findall(r"START (\w+) \(timeout (\d+)s\)", result.stdout)
     names = [name for name, _ in started if name != "wheels"]  # wheels: only where .whl exists
-    assert names == ["versions", "gpu_check", "ladder", "report", "parity"]
+    assert names == ["versions", "gpu_check", "lockstep_aa", "parity"]
     assert sum(int(limit) for name, limit in started if name != "parity") < 525
     assert "scripts/gpu_check.py --only 1,2,3,4,5,6,7,8,9 --json" in result.stdout
-    assert "+experiment=speedups model=resnet50 data.image_size=224" in result.stdout
+    assert "noise.py --designs shared" in result.stdout and "model=resnet50" in result.stdout
     assert "gpu_parity.py --plan quick --deadline-s" in result.stdout
     assert "planned: 7 configurations, 26 subprocess runs" in result.stdout
     assert (tmp_path / "session.log").is_file()
+
+
+def test_session_ladder_plan_runs_the_ladder_and_its_report(tmp_path):
+    env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu_session.sh")], cwd=REPO, env={**env, "PLAN": "ladder"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    started = [n for n in re.findall(r"START (\w+) \(timeout", result.stdout) if n != "wheels"]
+    assert started == ["versions", "ladder", "report"]
+    assert "+experiment=speedups model=resnet50 data.image_size=224" in result.stdout
 
 
 def test_session_memory_plan_runs_the_fsdp_checks_and_the_memory_study(tmp_path, tracking_uri):
@@ -368,6 +380,7 @@ def test_session_memory_plan_runs_the_fsdp_checks_and_the_memory_study(tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     steps = dict(re.findall(r"START (\w+) \(timeout \d+s\): (.*)", result.stdout))
+    steps.pop("wheels", None)  # only where .whl exists
     assert list(steps) == ["versions", "fsdp_checks", "memory_study", "memory_report"]
     assert "gpu_check.py --only 10,11" in steps["fsdp_checks"]
     # the study's command line composes into a valid config (its first job)
