@@ -713,7 +713,7 @@ def main() -> None:
     parser.add_argument(
         "--run-args",
         default="",
-        help="--designs: more run.py overrides for both sides, e.g. \"model=resnet50 "
+        help='--designs: more run.py overrides for both sides, e.g. "model=resnet50 '
         'data=synthetic" (a GPU A/A: scripts/gpu_session.sh)',
     )
     args = parser.parse_args()
