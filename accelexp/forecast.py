@@ -117,6 +117,9 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
         strategy.setup()
         try:
             precision = Precision.from_config(cfg.precision, strategy.device)
+            # a GradScaler's state is one number, and its step reads whether a gradient
+            # overflowed: a value fake tensors do not have. The step's memory is the same
+            precision.scaler = None
             sample = (shape.channels, shape.image_size, shape.image_size)
             # built on the meta device (no values: an initialisation by rejection sampling, as
             # trunc_normal_'s, cannot run on fake tensors), then made fake on the run's device

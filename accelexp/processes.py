@@ -23,6 +23,10 @@ import uuid
 from pathlib import Path
 
 JOB_ENV = "ACCELEXP_JOB"
+# a lockstep sweep's pid, in the environment of every job it starts: its jobs' processes and the
+# sweep itself hold CUDA contexts of their own, and the contention probe must not count them as
+# a neighbour on the GPU (they wait, blocked, while a job has the turn)
+SWEEP_ENV = "ACCELEXP_SWEEP"
 PR_SET_PDEATHSIG = 1  # prctl(2)
 GRACE_S = 20.0  # for workers to close their run after SIGTERM, before SIGKILL
 # how far two readings of one process's start time may differ (the kernel counts in 1/100 s)
@@ -34,9 +38,10 @@ def new_job_token() -> str:
     return uuid.uuid4().hex
 
 
-def job_processes(token: str) -> list[int]:
-    """Live processes (not this one) whose environment carries the job's token."""
-    marker = f"{JOB_ENV}={token}".encode()
+def job_processes(token: str, name: str = JOB_ENV) -> list[int]:
+    """Live processes (not this one) whose environment carries the job's token (or `name`'s
+    value `token`)."""
+    marker = f"{name}={token}".encode()
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():

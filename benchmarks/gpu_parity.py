@@ -41,22 +41,26 @@ step's host work is what the GPU waits for; here any overhead of accelexp shows)
 
 **The budget, and the plans.** A GPU session has ~15 minutes of device time, machine start
 included, shared with gpu_check and the speed-up ladder (scripts/gpu_session.sh). What a run costs
-is mostly not its timed steps: each accelexp process pays ~8-10 s before its first step
-(interpreter, torch + hydra + mlflow imports, CUDA context, cuDNN autotuning, and at 224 px
-generating its synthetic set on the host), each plain one ~4 s, and a *compiled* process 45-55 s
-of compilation with a cold cache. Both sides compile the same graphs (same model, shapes, layout,
-autocast; the evaluation batch has the training batch's shape), and the plain side runs first, so
+is mostly not its timed steps: on the H200 machine (2026-12-04) each accelexp process took
+27-29 s start to exit (interpreter, torch + hydra + mlflow imports, CUDA context, cuDNN
+autotuning, and at 224 px generating its synthetic set on the host), each plain one 19-23 s,
+the session's first of each ~70-86 s (fp32: cuDNN's autotuning, cold caches), and a *compiled*
+one 45-55 s of compilation with a cold cache. Both sides compile the same graphs (same model,
+shapes, layout, autocast; the evaluation batch has the training batch's shape), and the plain
+side runs first, so
 accelexp's compile mostly loads them from inductor's on-disk cache: its `compile_s` is smaller for
 that reason, not for a better compiler. So the plans trade configurations and repeats against
 process starts:
 
 - `--plan quick` (default): 224 and 32, channels_last (what accelexp picks on CUDA), fp32/amp/bf16,
   2 repeats; plus one compiled configuration, 32 px reduce-overhead bf16, ONCE (n=1 in the table:
-  a compiled pair costs about as much as five eager ones). 26 processes, ~5 minutes by the
-  estimate printed first. Order: every configuration once (the compiled pair last), then the
-  second repeats, so a `--deadline-s` cut leaves medians of fewer runs, not missing rows.
+  a compiled pair costs about as much as two eager ones). 26 processes, ~11 minutes by the
+  estimate printed first: more than a session holds beside anything else, so a session runs it
+  with `--deadline-s` and gets what fits. Order: every configuration once (the compiled pair
+  last), then the second repeats, so a `--deadline-s` cut leaves medians of fewer runs, not
+  missing rows.
 - `--plan full`: eager, channels_last and compile at both shapes, all precisions, 5 repeats
-  (compiled ones 2): ~45 minutes by the estimate, more than a 15-minute lease holds; for a
+  (compiled ones 2): ~70 minutes by the estimate, more than a 15-minute lease holds; for a
   longer one.
 
 Several precisions in one process would save starts, but accelexp's side is a whole `run.py`, and
@@ -192,7 +196,9 @@ class Measurement:
 
 # --- sizing: guesses, replaced by measured process times as runs finish ------------------------
 
-START_S = {"accelexp": 9.0, "plain": 4.0}  # interpreter, imports, CUDA context, cuDNN autotune
+# interpreter, imports, CUDA context, cuDNN autotune: measured on the H200 machine (2026-12-04),
+# a process took 19-23 s (plain) and 27-29 s (accelexp) at 224 px whatever its few timed steps
+START_S = {"accelexp": 24.0, "plain": 17.0}
 DATA_S_PER_GB = 10.0  # accelexp generates its synthetic uint8 set on the host
 COMPILE_S = {"default": 50.0, "reduce-overhead": 45.0, "max-autotune": 300.0}  # cold cache
 WARM_CACHE_SHARE = 0.35  # accelexp, after the plain side compiled the same graphs

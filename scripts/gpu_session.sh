@@ -3,8 +3,10 @@
 # lockstep A/A and the parity benchmark in one call that ends in under 9 minutes.
 #
 # Prepare, here, once per checkout (the device machine has torch 2.11, scipy and nvidia-ml-py but
-# no hydra, omegaconf or mlflow, and no internet):
+# no hydra, omegaconf, mlflow or greenlet, and no internet):
 #   bash ../shared/gpu/wheelhouse.sh        # fills ./.whl (~35 MB of wheels for Python 3.12)
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux_2_28_x86_64 -d .whl greenlet   # lockstep's jobs in one process
 #   echo /.whl/ >> .git/info/exclude        # keep them out of git; they travel by `carry`
 #   DRY_RUN=1 bash scripts/gpu_session.sh   # prints the steps and their time limits, runs nothing
 # Then make exactly this device call (the `run` tool), once:
@@ -16,14 +18,16 @@
 # The plan (PLAN=speed, the default), each step under `timeout` within SESSION_S (525 s) from the
 # start (the ~ figures are estimates for an H200; the logs say what it took):
 #   ~0:00  wheels into /tmp/site, nvidia-smi, torch/CUDA/GPU          ~20 s  (at most 120 + 60)
-#   ~0:20  scripts/gpu_check.py, checks 1-9 (5 run.py jobs, one compiled) ~120 s (at most 170)
-#   ~2:20  lockstep A/A (`benchmarks/noise.py --designs shared`): two identical ResNet-50 jobs,
-#          32 px, batch 128, amp, 8 epochs of 300 steps, in one process taking turns in 0.25-s
-#          slices; the ratio b / a with its interval, rounds and slices set aside ~90 s (at most 150)
-#   ~3:50  benchmarks/gpu_parity.py --plan quick with what is left (~250 s) as --deadline-s: every
-#          configuration once (~115 s), the compiled pair (~75 s), then second repeats while they
-#          fit; pairs that would end after the deadline are skipped and listed, so it always ends
-#          with its table. Planned in full (~5 min) it needs a session of its own.
+#   ~0:20  scripts/gpu_check.py, checks 1-9 (5 run.py jobs, one compiled) ~160 s (at most 170)
+#   ~3:00  lockstep A/A (`benchmarks/noise.py --designs shared`): two identical ResNet-50 jobs,
+#          32 px, batch 128, amp, 5 epochs of 300 steps, in one process taking turns in 0.25-s
+#          slices; the ratio b / a with its interval, rounds and slices set aside. On the H200
+#          machine a step of it took ~30 ms (host-bound: the GPU ~1 % busy), an epoch ~9.5 s a
+#          job: ~130 s (at most 150)
+#   ~5:30  benchmarks/gpu_parity.py --plan quick with what is left (~200 s) as --deadline-s: pairs
+#          in plan order while they fit (measured 2026-12-04: 7 processes in 306 s, the first two
+#          70-86 s), the rest skipped and listed, so it always ends with its table. Planned in
+#          full (~11 min) it needs more than a session.
 #
 # PLAN=ladder (a session of its own, or after the others): the speed-up ladder, 6 rungs of
 # ResNet-50 at 224 px, batch 256, 2 epochs of 12 steps (the compile rung compiles ~60 s), then its
@@ -98,7 +102,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} # accelexp from the checkout, 
 if [[ -z $DRY_RUN ]]; then
     { nvidia-smi || echo "nvidia-smi failed"; } 2>&1 | tee -a "$OUT/session.log"
 fi
-step versions session.log 60 "$PY" -c "import torch, hydra, omegaconf, mlflow, scipy
+step versions session.log 60 "$PY" -c "import torch, hydra, omegaconf, mlflow, scipy, greenlet
 print('scipy', scipy.__version__)
 print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'cuDNN', torch.backends.cudnn.version())
 print('GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
@@ -172,7 +176,7 @@ step gpu_check gpu_check.log 170 "$PY" scripts/gpu_check.py --only 1,2,3,4,5,6,7
 # lockstep A/A on one GPU: two identical ResNet-50 jobs (32 px, launch-bound: where the host's
 # noise shows) as greenlets of one process taking turns in 0.25-s slices; its store comes back
 step lockstep_aa lockstep.log 150 env TMPDIR="$WORK" "$PY" benchmarks/noise.py --designs shared \
-    --trials 1 --hogged-trials 0 --repeats 1 --epochs 8 --steps 300 --threads 4 --slice-s 0.25 \
+    --trials 1 --hogged-trials 0 --repeats 1 --epochs 5 --steps 300 --threads 4 --slice-s 0.25 \
     --keep --run-args "$LOCKSTEP_RUN"
 cp "$WORK"/accelexp-aa-*/mlflow.db "$OUT/lockstep.db" 2>/dev/null
 cp "$WORK"/accelexp-aa-*/shared-0.log "$OUT/lockstep_sweep.log" 2>/dev/null

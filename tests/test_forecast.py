@@ -54,3 +54,25 @@ def test_fsdp_workers_hold_a_share_of_the_state_and_ddp_workers_a_bucket_more(tr
     assert single[opt] / 2 <= fsdp[opt] < 0.55 * single[opt]
     assert fsdp[STEP_PEAK_MB] < single[STEP_PEAK_MB] < ddp[STEP_PEAK_MB]
     assert abs(ddp[sync] - single[step_peak_kind_mb("param")]) < 1e-6
+
+
+def test_a_gradscaler_does_not_stop_the_forecast(tracking_uri, monkeypatch) -> None:
+    """fp16 amp on CUDA steps through a GradScaler, which reads whether a gradient overflowed:
+    a value fake tensors do not have (on the H200 `compare=lockstep precision=amp` stopped at
+    its memory check with DataDependentOutputException). A CPU has no fp16 amp, so its
+    Precision is given a scaler here, as CUDA's has; the forecast is the one without it."""
+    import torch
+
+    from accelexp.precision import Precision
+
+    built = Precision.from_config
+
+    def with_scaler(cfg, device):
+        precision = built(cfg, device)
+        precision.scaler = torch.amp.GradScaler(device.type)
+        return precision
+
+    cfg = compose_config(tracking_uri, *TINY_VIT, "precision=amp")
+    plain = forecast(cfg).peak_mb
+    monkeypatch.setattr(Precision, "from_config", with_scaler)
+    assert forecast(cfg).peak_mb == plain

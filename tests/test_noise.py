@@ -3,7 +3,9 @@ beside a real busy loop of another process (contended) and of the job's own (not
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,9 +19,10 @@ from accelexp.diagnosis.noise import (
     OTHERS_CORES,
     ContentionProbe,
     NoiseSample,
+    _Gpu,
     judge,
 )
-from accelexp.processes import JOB_ENV, job_processes, kill_job, new_job_token
+from accelexp.processes import JOB_ENV, SWEEP_ENV, job_processes, kill_job, new_job_token
 
 needs_proc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -175,6 +178,55 @@ def test_the_jobs_own_processes_are_not_others(how: str, monkeypatch: pytest.Mon
 
 
 @needs_proc
+def test_a_lockstep_sweep_and_its_waiting_jobs_are_not_others_on_the_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the H200 every lockstep slice was set aside: NVML listed the sweep's process (its
+    memory check had made a CUDA context) beside the job's. NVML is faked here (no GPU); the
+    processes are real: the sweep, a job waiting for its turn (its environment names the sweep),
+    and a stranger."""
+
+    def elsewhere(env: dict[str, str] | None = None) -> int:  # outside this process tree
+        sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+        quiet = "stdout=s.DEVNULL, stderr=s.DEVNULL"  # else the launcher waits for its pipes
+        launch = f"import subprocess as s; print(s.Popen({sleep!r}, {quiet}).pid)"
+        started = subprocess.run(
+            [sys.executable, "-c", launch], env={**os.environ, **(env or {})},
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        return int(started.stdout)
+
+    sweep = elsewhere()
+    waiting = elsewhere({SWEEP_ENV: str(sweep)})
+    stranger = elsewhere()
+    listed = [os.getpid(), sweep, waiting, stranger]
+
+    class Nvml:  # what the probe asks of NVML; the rest raises, as a missing figure
+        @staticmethod
+        def nvmlDeviceGetComputeRunningProcesses(handle):
+            return [type("Process", (), {"pid": pid}) for pid in listed]
+
+    gpu = _Gpu.__new__(_Gpu)
+    gpu.nvml, gpu.handle = Nvml, object()
+    try:
+        others = {}
+        for env in ({}, {SWEEP_ENV: str(sweep)}):
+            with monkeypatch.context() as m:
+                m.delenv(SWEEP_ENV, raising=False)
+                for name, value in env.items():
+                    m.setenv(name, value)
+                probe = ContentionProbe(torch.device("cpu"), threads=1, job_token="")
+                probe.gpu = gpu
+                probe.start()
+                others[bool(env)] = probe.stop([0.01]).gpu_other_processes
+    finally:
+        for pid in (sweep, waiting, stranger):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert others == {False: 3, True: 1}  # alone: all three; a lockstep job: the stranger
+
+
+@needs_proc
 def test_a_run_beside_a_real_hog_is_tagged_contended_and_never_compute_bound(
     compose_cfg, tracking_uri, tmp_path
 ) -> None:
@@ -186,7 +238,8 @@ def test_a_run_beside_a_real_hog_is_tagged_contended_and_never_compute_bound(
     from accelexp.tracking import query
     from accelexp.train import run
 
-    cfg = compose_cfg("threads=1", "epochs=2", "max_steps_per_epoch=40")
+    # epochs long enough for CPU evidence (a window of 0.2 s or more: WINDOW_MIN_S)
+    cfg = compose_cfg("threads=1", "epochs=2", "data.num_train=4096", "max_steps_per_epoch=128")
     hog = new_job_token()
     try:
         _busy_elsewhere(60.0, hog)  # bounded; stopped right after the run

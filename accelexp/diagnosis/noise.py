@@ -8,8 +8,9 @@ the CPU time of the job's own processes (`job_cores`: this tree, and every local
 environment carries the job's token, `accelexp.processes.JOB_ENV`), so that what the host was busy
 with beyond the job is the `others_cores` (what neither kept busy was idle: `busiest`, for the
 scale-out advice of `accelexp.machine`); the 1-minute load; the spread of the step times; on
-CUDA, through NVML (`nvidia-ml-py`, optional), the processes on the GPU that are not the job's, its
-throttle reasons, temperature and SM clock. Ranks are combined by an elementwise MAX of
+CUDA, through NVML (`nvidia-ml-py`, optional), the processes on the GPU that are not the job's
+(nor, in lockstep, its sweep's: the sweep and its waiting jobs hold CUDA contexts of their own),
+its throttle reasons, temperature and SM clock. Ranks are combined by an elementwise MAX of
 `NoiseSample.to_tensor` (arranged so that the max is the worst case of each field).
 
 `judge` flags a run `noise=contended` when any epoch shows strong evidence:
@@ -56,7 +57,7 @@ import numpy as np
 import psutil
 import torch
 
-from accelexp.processes import JOB_ENV, job_processes
+from accelexp.processes import JOB_ENV, SWEEP_ENV, job_processes
 from accelexp.record import NOISE, NOISE_CONTENDED, NOISE_EVIDENCE, NOISE_QUIET, noise_metric
 
 OTHERS_CORES = 0.5  # cores others kept busy: quiet reads <= 0.07, a one-core hog >= 0.7
@@ -135,6 +136,7 @@ class ContentionProbe:
     def __init__(self, device: torch.device, threads: int | None, job_token: str | None = None):
         self.threads = threads
         self.token = job_token if job_token is not None else os.environ.get(JOB_ENV)
+        self.sweep = os.environ.get(SWEEP_ENV)  # a lockstep job: its sweep's pid
         self.linux = sys.platform.startswith("linux")
         self.cpus = os.sched_getaffinity(0) if self.linux else set(range(os.cpu_count() or 1))
         self.gpu = _Gpu(device) if device.type == "cuda" else None
@@ -186,8 +188,15 @@ class ContentionProbe:
             job_cores=job / wall,
         )
         if self.gpu is not None:
-            self.gpu.read(sample, pids)
+            self.gpu.read(sample, pids | self._sweep())
         return sample
+
+    def _sweep(self) -> set[int]:
+        """A lockstep sweep and every job it started (`SWEEP_ENV`): each holds a CUDA context
+        of its own and waits, blocked, while this job has the turn: not a neighbour."""
+        if not (self.sweep and self.sweep.isdigit() and self.linux):
+            return set()
+        return {int(self.sweep), *job_processes(self.sweep, SWEEP_ENV)}
 
     def _cpu(self) -> tuple[float, float, set[int]]:
         """CPU seconds of this process tree, of the whole job (each process once), its PIDs.

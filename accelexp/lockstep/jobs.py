@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from accelexp.lockstep import LOCKSTEP_ENV, together
 from accelexp.lockstep.turns import Turns
-from accelexp.processes import GRACE_S, die_with_parent
+from accelexp.processes import GRACE_S, SWEEP_ENV, die_with_parent
 from accelexp.tracking.runs import FAILED, KILLED
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,8 @@ def run_incarnation(
 
 def _start(command: list[str], environment: Mapping[str, str]) -> subprocess.Popen:
     return subprocess.Popen(
-        command, env={**os.environ, **environment, **JOB_ENVIRONMENT}, start_new_session=True,
+        command, env={**os.environ, **environment, **JOB_ENVIRONMENT, SWEEP_ENV: str(os.getpid())},
+        start_new_session=True,
         preexec_fn=die_with_parent, stdin=subprocess.DEVNULL,
     )  # fmt: skip
 

@@ -118,7 +118,9 @@ def check_memory(configs: Sequence[DictConfig], names: Sequence[str]) -> None:
     for name, cfg in zip(names, configs, strict=True):
         ahead = forecast(cfg)
         peaks[name] = (ahead.peak_mb + CONTEXT_MB) * ahead.world_size
-    device_mb = torch.cuda.get_device_properties(0).total_memory / 2**20
+    # less the sweep's own context: its forecast set the device up (on the H200, NVML listed
+    # the sweep beside its jobs)
+    device_mb = torch.cuda.get_device_properties(0).total_memory / 2**20 - CONTEXT_MB
     if problem := memory_problem(peaks, device_mb):
         raise ConfigError(problem)
 
