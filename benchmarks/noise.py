@@ -493,6 +493,7 @@ class DesignTrial:
     hogged: bool = False
     repeats: int = 0  # repeats both sides completed
     incarnations: list[Estimate] = field(default_factory=list)  # lockstep: each alone
+    exit_code: int = 0  # the sweep's
 
 
 def flagged(record: RunRecord) -> bool:
@@ -565,7 +566,11 @@ def run_design(
     if os.waitstatus_to_exitcode(status) != 0:
         print(f"    the sweep exited {os.waitstatus_to_exitcode(status)}: {store / name}.log")
     result = DesignTrial(design, trial, None, wall, cpu_seconds(usage), hogged=hog)
-    measure_design(store, result)
+    result.exit_code = os.waitstatus_to_exitcode(status)
+    try:
+        measure_design(store, result)
+    except query.QueryError as error:  # the sweep ended before it made its store
+        print(f"    nothing to measure: {error}")
     print(f"    {row(result)}", flush=True)
     return result
 
@@ -665,6 +670,9 @@ def designs(args: argparse.Namespace, store: Path) -> list[tuple[str, bool]]:
                           f"±{100 * median:.1f} %; goal ≤ ±2 %", median <= 0.02))  # fmt: skip
             goals.append((f"lockstep calibrated: {held}/{len(quiet)} trials hold 1.00",
                           held == len(quiet) >= 5))  # fmt: skip
+    failed = [f"{t.design}-{t.trial}" for t in trials if t.exit_code != 0]
+    if failed:  # a sweep that did not run is no A/A: the caller (gpu_session.sh) must see it
+        goals.append((f"every sweep ran to its end (failed: {', '.join(failed)})", False))
     for t in (t for t in trials if t.hogged):
         e = t.estimate
         ok = e is not None and e.contains(1.0) and (e.relative_halfwidth() or 1) <= 0.04
@@ -673,7 +681,9 @@ def designs(args: argparse.Namespace, store: Path) -> list[tuple[str, bool]]:
     return goals
 
 
-def main() -> None:
+def main() -> int:
+    """0, or 1 when a sweep did not run to its end (a FAIL of a measured goal is printed, not
+    an exit code)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=120, help="max_steps_per_epoch")
@@ -757,7 +767,8 @@ def main() -> None:
             print(f"store kept: mlflow ui --backend-store-uri {uri(store)}")
         else:
             shutil.rmtree(store, ignore_errors=True)
+    return 1 if any(text.startswith("every sweep ran") for text, _ in goals) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
