@@ -162,7 +162,7 @@ def test_in_lockstep_a_candidate_is_decided_by_its_rounds_from_one_repeat() -> N
     half = scipy_stats.t.ppf(0.975, 3) * batches.std(ddof=1) / 2
     low, high = math.exp(batches.mean() - half), math.exp(batches.mean() + half)
     assert (step.speedup.low, step.speedup.high) == pytest.approx((low, high), rel=1e-9)
-    assert step.kept and "lockstep in one process: 16 rounds" in step.why, step.why
+    assert step.kept and "lockstep in one process: 1 incarnation, 16 rounds" in step.why, step.why
 
 
 def test_a_candidate_replaces_the_same_keys_of_its_base() -> None:
