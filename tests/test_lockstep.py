@@ -24,8 +24,9 @@ from omegaconf import OmegaConf
 from test_sweeps import TINY, runs_of, sweep
 
 from accelexp import stats
+from accelexp.errors import ConfigError
 from accelexp.lockstep import sweep as by_repeat
-from accelexp.lockstep.sweep import memory_problem
+from accelexp.lockstep.sweep import MIN_REPEATS_FOR_TARGET, check, memory_problem
 from accelexp.record import (
     COMPARE,
     LOCKSTEP_INCARNATION,
@@ -219,15 +220,24 @@ def test_a_precision_target_stops_sampling(tmp_path: Path, mlflow_template_db: P
     met runs up to max_repeats and says the budget was spent."""
     measurable = ("data.num_train=1024", "max_steps_per_epoch=16", "epochs=1")  # 12 timed steps
     met, uri = sweep(tmp_path / "met", mlflow_template_db, "+mlflow.tags.side=a,b", *measurable,
-                     "precision_target=0.99", "max_repeats=4")  # fmt: skip
+                     "precision_target=0.99", "max_repeats=6")  # fmt: skip
     assert met.returncode == 0, output_of(met)
     assert "precision target ±99 % reached" in output_of(met)
-    assert {c.data.tags[REPEAT_INDEX] for c in runs_of(uri)[1]} == {"0", "1"}
+    assert {c.data.tags[REPEAT_INDEX] for c in runs_of(uri)[1]} == {str(i) for i in range(5)}
     spent, uri = sweep(tmp_path / "spent", mlflow_template_db, "+mlflow.tags.side=a,b",
-                       *measurable, "precision_target=0.000001", "max_repeats=3")  # fmt: skip
+                       *measurable, "precision_target=0.000001", "max_repeats=5")  # fmt: skip
     assert spent.returncode == 0, output_of(spent)
     assert "budget spent at" in output_of(spent)
-    assert {c.data.tags[REPEAT_INDEX] for c in runs_of(uri)[1]} == {"0", "1", "2"}
+    assert {c.data.tags[REPEAT_INDEX] for c in runs_of(uri)[1]} == {str(i) for i in range(5)}
+
+
+def test_a_target_asks_for_a_budget_of_at_least_the_repeats_it_is_checked_from() -> None:
+    config = OmegaConf.create({"compare": "lockstep", "precision_target": 0.03, "repeats": 2,
+                               "max_repeats": MIN_REPEATS_FOR_TARGET - 1})  # fmt: skip
+    with pytest.raises(ConfigError, match=f"raise max_repeats to {MIN_REPEATS_FOR_TARGET} or"):
+        check(config, "hydra._internal.core_plugins.basic_launcher.BasicLauncher")
+    config.max_repeats = MIN_REPEATS_FOR_TARGET
+    check(config, "hydra._internal.core_plugins.basic_launcher.BasicLauncher")
 
 
 def test_a_sweep_with_no_ratio_to_sample_stops_at_the_least_repeats(monkeypatch) -> None:

@@ -449,7 +449,7 @@ class Config:
     )
     precision_target: float | None = key(
         None,
-        "a sweep adds repeats until each ratio's 95 % half-width is at most this (e.g. 0.02)",
+        "a sweep adds repeats until each ratio's 95 % half-width is at most this over 5+ repeats",
         NOTHING,
     )
     max_repeats: int = key(10, "precision_target's budget: at most this many repeats", NOTHING)

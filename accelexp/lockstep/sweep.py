@@ -27,7 +27,10 @@ from accelexp.lockstep import together
 from accelexp.sweeper import repeated
 
 log = logging.getLogger(__name__)
-MIN_REPEATS_FOR_TARGET = 2  # an interval over repeats (incarnations) needs two
+# a target is checked from this many repeats on: an interval over repeats (processes) taken the
+# first time it is narrow enough covers less than 95 % when it rests on 2-3 of them (an A/A
+# stopped at 3 processes whose means agreed by chance, excluding 1.00: docs/statistics.md)
+MIN_REPEATS_FOR_TARGET = 5
 NO_RATIO = "no ratio to measure"
 
 
@@ -39,10 +42,22 @@ class Sampled:
     halfwidth: float | None  # None: some ratio has no interval yet
     worst: str  # the row it belongs to
 
+    def met(self, target: float | None) -> bool:
+        """Every ratio within `target`, over at least `MIN_REPEATS_FOR_TARGET` repeats."""
+        return (
+            target is not None
+            and self.halfwidth is not None
+            and self.halfwidth <= target
+            and self.repeats >= MIN_REPEATS_FOR_TARGET
+        )
+
     def line(self, target: float | None, spent: bool) -> str:
         width = "no interval yet" if self.halfwidth is None else f"±{100 * self.halfwidth:.1f} %"
-        if target is not None and self.halfwidth is not None and self.halfwidth <= target:
+        if self.met(target):
             return f"precision target ±{100 * target:g} % reached: {width}, {self.repeats} repeats"
+        if target is not None and self.halfwidth is not None and self.halfwidth <= target:
+            return (f"after {self.repeats} repeats: widest ratio {width}, within the target; "
+                    f"checked from repeat {MIN_REPEATS_FOR_TARGET} on")  # fmt: skip
         if spent:
             return f"budget spent at {width} after {self.repeats} repeats (widest: {self.worst})"
         return f"after {self.repeats} repeats: widest ratio {width} ({self.worst})"
@@ -59,9 +74,12 @@ def check(config: DictConfig, launcher_target: str) -> None:
     if config.precision_target is not None and config.max_repeats < max(
         config.repeats, MIN_REPEATS_FOR_TARGET
     ):
+        least = max(config.repeats, MIN_REPEATS_FOR_TARGET)
         raise ConfigError(
-            f"precision_target={config.precision_target} adds repeats up to max_repeats="
-            f"{config.max_repeats}, which is below repeats={config.repeats}: raise max_repeats."
+            f"precision_target={config.precision_target} checks its target from repeat {least} "
+            f"on (repeats={config.repeats}, and at least {MIN_REPEATS_FOR_TARGET}: an interval "
+            f"over fewer processes is not trusted to stop on), up to max_repeats="
+            f"{config.max_repeats}: raise max_repeats to {least} or more."
         )
 
 
@@ -148,7 +166,9 @@ class Repeats:
         self.lockstep = config.compare == "lockstep"
         self.shared = False  # the jobs of an incarnation as threads of one process
         target = config.precision_target
-        self.least = max(config.repeats, MIN_REPEATS_FOR_TARGET) if target else config.repeats
+        # with a target, its precision is read from the second repeat on (a sweep with no ratio
+        # stops there), and may stop the sweep from MIN_REPEATS_FOR_TARGET on (`Sampled.met`)
+        self.least = max(config.repeats, 2) if target else config.repeats
         self.most = config.max_repeats if target else config.repeats
 
     def run(self) -> list[object]:
@@ -190,7 +210,7 @@ class Repeats:
             precision = self.precision(index + 1)
             spent = index + 1 >= self.most
             log.info("%s", precision.line(config.precision_target, spent))
-            if precision.halfwidth is not None and precision.halfwidth <= config.precision_target:
+            if precision.met(config.precision_target):
                 break
             if precision.worst == NO_RATIO:  # more repeats cannot give it one
                 log.warning(
