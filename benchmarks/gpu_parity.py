@@ -40,17 +40,16 @@ step's host work is what the GPU waits for; here any overhead of accelexp shows)
 224, `reduce-overhead` (CUDA graphs) at 32).
 
 **The budget, and the plans.** A GPU session has ~15 minutes of device time, machine start
-included, shared with gpu_check and the speed-up ladder (scripts/gpu_session.sh). What a run costs
+included, shared with gpu_check and a lockstep A/A (scripts/gpu_session.sh). What a run costs
 is mostly not its timed steps: on the H200 machine (2026-12-04) each accelexp process took
 27-29 s start to exit (interpreter, torch + hydra + mlflow imports, CUDA context, cuDNN
 autotuning, and at 224 px generating its synthetic set on the host), each plain one 19-23 s,
 the session's first of each ~70-86 s (fp32: cuDNN's autotuning, cold caches), and a *compiled*
 one 45-55 s of compilation with a cold cache. Both sides compile the same graphs (same model,
 shapes, layout, autocast; the evaluation batch has the training batch's shape), and the plain
-side runs first, so
-accelexp's compile mostly loads them from inductor's on-disk cache: its `compile_s` is smaller for
-that reason, not for a better compiler. So the plans trade configurations and repeats against
-process starts:
+side runs first, so accelexp's compile mostly loads them from inductor's on-disk cache: its
+`compile_s` is smaller for that reason, not for a better compiler. So the plans trade
+configurations and repeats against process starts:
 
 - `--plan quick` (default): 224 and 32, channels_last (what accelexp picks on CUDA), fp32/amp/bf16,
   2 repeats; plus one compiled configuration, 32 px reduce-overhead bf16, ONCE (n=1 in the table:

@@ -503,6 +503,7 @@ def flagged(record: RunRecord) -> bool:
 # the designs --designs can run: whole-run repeats, and lockstep with its jobs as threads of one
 # process (lockstep.process=shared, what auto picks for these jobs) or a process each (own)
 LOCKSTEP_DESIGNS = {"shared": "lockstep.process=shared", "own": "lockstep.process=own"}
+SWEEPS_RAN = "every sweep ran to its end"  # the goal whose FAIL makes the exit code 1
 
 
 def design_command(
@@ -563,10 +564,10 @@ def run_design(
             sweep.send_signal(signal.SIGINT)
             sweep.wait()
     wall = time.perf_counter() - started
-    if os.waitstatus_to_exitcode(status) != 0:
-        print(f"    the sweep exited {os.waitstatus_to_exitcode(status)}: {store / name}.log")
     result = DesignTrial(design, trial, None, wall, cpu_seconds(usage), hogged=hog)
     result.exit_code = os.waitstatus_to_exitcode(status)
+    if result.exit_code != 0:
+        print(f"    the sweep exited {result.exit_code}: {store / name}.log")
     try:
         measure_design(store, result)
     except query.QueryError as error:  # the sweep ended before it made its store
@@ -672,7 +673,7 @@ def designs(args: argparse.Namespace, store: Path) -> list[tuple[str, bool]]:
                           held == len(quiet) >= 5))  # fmt: skip
     failed = [f"{t.design}-{t.trial}" for t in trials if t.exit_code != 0]
     if failed:  # a sweep that did not run is no A/A: the caller (gpu_session.sh) must see it
-        goals.append((f"every sweep ran to its end (failed: {', '.join(failed)})", False))
+        goals.append((f"{SWEEPS_RAN} (failed: {', '.join(failed)})", False))
     for t in (t for t in trials if t.hogged):
         e = t.estimate
         ok = e is not None and e.contains(1.0) and (e.relative_halfwidth() or 1) <= 0.04
@@ -767,7 +768,7 @@ def main() -> int:
             print(f"store kept: mlflow ui --backend-store-uri {uri(store)}")
         else:
             shutil.rmtree(store, ignore_errors=True)
-    return 1 if any(text.startswith("every sweep ran") for text, _ in goals) else 0
+    return 1 if any(text.startswith(SWEEPS_RAN) for text, _ in goals) else 0
 
 
 if __name__ == "__main__":

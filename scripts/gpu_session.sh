@@ -56,7 +56,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/outputs/gpu_session}
 PY=${PYTHON:-python3}
 SESSION_S=${SESSION_S:-525}
-# the lockstep A/A's jobs (the CPU test of this script shrinks them)
+# the lockstep A/A's jobs: both sides' run.py overrides (set it to measure other ones)
 LOCKSTEP_RUN=${LOCKSTEP_RUN:-model=resnet50 data=synthetic data.image_size=32 data.batch_size=128 \
 data.num_train=38400 data.val_fraction=0 data.num_test=256 precision=amp}
 DRY_RUN=${DRY_RUN:-}

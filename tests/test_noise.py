@@ -22,7 +22,7 @@ from accelexp.diagnosis.noise import (
     _Gpu,
     judge,
 )
-from accelexp.processes import JOB_ENV, SWEEP_ENV, job_processes, kill_job, new_job_token
+from accelexp.processes import JOB_ENV, SWEEP_ENV, kill_job, new_job_token
 
 needs_proc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -107,14 +107,24 @@ def test_the_max_over_ranks_is_the_worst_of_each_field() -> None:
     assert QUIET.metrics()["noise/others_cores"] == 0.05
 
 
+def _elsewhere(code: str, env: dict[str, str]) -> int:
+    """The pid of a Python process running `code` outside this process tree (its launcher exits
+    at once), with `env` added to its environment."""
+    quiet = "stdout=s.DEVNULL, stderr=s.DEVNULL"  # else the launcher waits for its pipes
+    command = f"[sys.executable, '-c', {code!r}]"
+    launch = f"import subprocess as s, sys; print(s.Popen({command}, {quiet}).pid)"
+    started = subprocess.run(
+        [sys.executable, "-c", launch], env={**os.environ, **env},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return int(started.stdout)
+
+
 def _busy_elsewhere(seconds: float, token: str) -> None:
-    """A busy loop that ends by itself, outside this process tree (its parent exits at once),
-    carrying `token` as its job; returns once it runs."""
-    loop = f"import time\ne = time.time() + {seconds}\nwhile time.time() < e: pass"
-    launch = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {loop!r}])"
-    subprocess.run([sys.executable, "-c", launch], env={**os.environ, JOB_ENV: token}, check=True)
-    while not job_processes(token):
-        time.sleep(0.05)
+    """A busy loop that ends by itself, outside this process tree, carrying `token` as its job;
+    returns once it runs."""
+    _elsewhere(f"import time\ne = time.time() + {seconds}\nwhile time.time() < e: pass",
+               {JOB_ENV: token})  # fmt: skip
     time.sleep(0.3)  # its interpreter starts
 
 
@@ -186,19 +196,10 @@ def test_a_lockstep_sweep_and_its_waiting_jobs_are_not_others_on_the_gpu(
     processes are real: the sweep, a job waiting for its turn (its environment names the sweep),
     and a stranger."""
 
-    def elsewhere(env: dict[str, str] | None = None) -> int:  # outside this process tree
-        sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
-        quiet = "stdout=s.DEVNULL, stderr=s.DEVNULL"  # else the launcher waits for its pipes
-        launch = f"import subprocess as s; print(s.Popen({sleep!r}, {quiet}).pid)"
-        started = subprocess.run(
-            [sys.executable, "-c", launch], env={**os.environ, **(env or {})},
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        return int(started.stdout)
-
-    sweep = elsewhere()
-    waiting = elsewhere({SWEEP_ENV: str(sweep)})
-    stranger = elsewhere()
+    sleep = "import time; time.sleep(30)"
+    sweep = _elsewhere(sleep, {})
+    waiting = _elsewhere(sleep, {SWEEP_ENV: str(sweep)})
+    stranger = _elsewhere(sleep, {})
     listed = [os.getpid(), sweep, waiting, stranger]
 
     class Nvml:  # what the probe asks of NVML; the rest raises, as a missing figure

@@ -42,20 +42,19 @@ class Sampled:
     halfwidth: float | None  # None: some ratio has no interval yet
     worst: str  # the row it belongs to
 
+    def within(self, target: float | None) -> bool:
+        """Every ratio within `target` (whether or not enough repeats back it)."""
+        return target is not None and self.halfwidth is not None and self.halfwidth <= target
+
     def met(self, target: float | None) -> bool:
         """Every ratio within `target`, over at least `MIN_REPEATS_FOR_TARGET` repeats."""
-        return (
-            target is not None
-            and self.halfwidth is not None
-            and self.halfwidth <= target
-            and self.repeats >= MIN_REPEATS_FOR_TARGET
-        )
+        return self.within(target) and self.repeats >= MIN_REPEATS_FOR_TARGET
 
     def line(self, target: float | None, spent: bool) -> str:
         width = "no interval yet" if self.halfwidth is None else f"±{100 * self.halfwidth:.1f} %"
         if self.met(target):
             return f"precision target ±{100 * target:g} % reached: {width}, {self.repeats} repeats"
-        if target is not None and self.halfwidth is not None and self.halfwidth <= target:
+        if self.within(target):
             return (f"after {self.repeats} repeats: widest ratio {width}, within the target; "
                     f"checked from repeat {MIN_REPEATS_FOR_TARGET} on")  # fmt: skip
         if spent:
@@ -71,10 +70,8 @@ def check(config: DictConfig, launcher_target: str) -> None:
             f"it cannot hand turns to jobs of another launcher ({launcher_target}). Leave "
             f"hydra/launcher at its default, or use compare=repeats."
         )
-    if config.precision_target is not None and config.max_repeats < max(
-        config.repeats, MIN_REPEATS_FOR_TARGET
-    ):
-        least = max(config.repeats, MIN_REPEATS_FOR_TARGET)
+    least = max(config.repeats, MIN_REPEATS_FOR_TARGET)
+    if config.precision_target is not None and config.max_repeats < least:
         raise ConfigError(
             f"precision_target={config.precision_target} checks its target from repeat {least} "
             f"on (repeats={config.repeats}, and at least {MIN_REPEATS_FOR_TARGET}: an interval "
