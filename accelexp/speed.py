@@ -17,6 +17,8 @@
   lever that costs speed — blocks run their forward again in the backward instead of keeping
   their activations (`accelexp.activation_checkpoint`); applied here, before compile and before
   a strategy shards the model, as torchtitan orders them.
+- `heap`: glibc's malloc thresholds pinned (`pinned`) or left to follow the process's history
+  (`dynamic`); `auto` pins on a CPU. A process-wide setting (`accelexp.heap` says why).
 
 `deterministic=true` wins over `cudnn_benchmark` and `tf32`: both are turned off, said once.
 """
@@ -32,6 +34,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from accelexp import activation_checkpoint
+from accelexp import heap as host_heap
 from accelexp.errors import AccelexpError
 from accelexp.record import SPEED
 
@@ -83,6 +86,7 @@ class SpeedSwitches:
     optimizer_impl: str = "auto"
     activation_checkpointing: str = "none"
     selective_ac_option: str = "2"
+    heap: str = host_heap.DYNAMIC
 
     @classmethod
     def resolve(
@@ -105,14 +109,23 @@ class SpeedSwitches:
         ac, ac_option = cfg.activation_checkpointing, str(cfg.selective_ac_option)
         activation_checkpoint.chosen(model, ac, ac_option)  # refuses a model without blocks
         return cls(
-            bool(channels_last), benchmark, tf32, cfg.compile, cfg.optimizer_impl, ac, ac_option
+            bool(channels_last),
+            benchmark,
+            tf32,
+            cfg.compile,
+            cfg.optimizer_impl,
+            ac,
+            ac_option,
+            host_heap.resolve(cfg.heap, device.type),
         )
 
     # --- what the builder applies --------------------------------------------------------------
     def apply_backends(self) -> None:
-        """The process-wide backend flags (before any model runs)."""
+        """The process-wide backend flags and heap (before any model runs)."""
         torch.backends.cudnn.benchmark = self.cudnn_benchmark
         set_tf32(self.tf32)
+        if self.heap == host_heap.PINNED and not host_heap.pin():
+            log.warning("speed.heap=pinned: glibc refused the thresholds; they follow the run")
 
     @property
     def memory_format(self) -> torch.memory_format:
@@ -169,5 +182,6 @@ class SpeedSwitches:
             "compile": self.compile,
             "optimizer_impl": self.optimizer_impl,
             "activation_checkpointing": self.checkpointing,
+            "heap": self.heap,
         }
         return {SPEED: self.summary(), **{k: str(v).lower() for k, v in values.items()}}

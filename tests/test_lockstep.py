@@ -26,6 +26,7 @@ from test_sweeps import TINY, runs_of, sweep
 from accelexp import stats
 from accelexp.errors import ConfigError
 from accelexp.lockstep import sweep as by_repeat
+from accelexp.lockstep import together
 from accelexp.lockstep.sweep import MIN_REPEATS_FOR_TARGET, check, memory_problem
 from accelexp.record import (
     COMPARE,
@@ -265,6 +266,14 @@ def test_a_process_bias_is_inside_the_interval_across_incarnations() -> None:
     assert not alone.contains(1.0) and "not in the interval" in alone.method
     across = stats.lockstep_ratio(incarnations)
     assert across.contains(1.0) and across.method.startswith("lockstep: t over 3 incarnations")
+
+
+def test_jobs_that_set_the_heap_unlike_do_not_share_a_process(compose_cfg) -> None:
+    """glibc's thresholds are the process's: a sweep of speed.heap is lockstep in a process per
+    job (auto), never in one that would run both sides with one heap."""
+    pinned, dynamic = compose_cfg("speed.heap=pinned"), compose_cfg("speed.heap=dynamic")
+    assert together.why_not([pinned, pinned]) == ""
+    assert "speed.heap=dynamic,pinned" in together.why_not([pinned, dynamic])
 
 
 def test_jobs_that_would_not_fit_one_gpu_together_are_refused() -> None:

@@ -258,6 +258,12 @@ class SpeedConfig:
     selective_ac_option: str = key(
         "2", "under selective: k (every k-th block) or op (keep matmul/conv outputs)"
     )
+    heap: str = key(
+        "auto",
+        "glibc malloc's thresholds: pinned (a CPU run's speed independent of its history) or "
+        "dynamic (glibc's default); auto: pinned on a CPU",
+        choices=("auto", "pinned", "dynamic"),
+    )
 
 
 # --- optimizer -----------------------------------------------------------------------------

@@ -180,6 +180,7 @@ def _rules() -> list[Rule]:
         _one_of("speed.compile"),
         _one_of("speed.optimizer_impl"),
         _one_of("speed.activation_checkpointing"),
+        _one_of("speed.heap"),
         (
             "speed.selective_ac_option",
             lambda v: str(v) == "op" or (str(v).isdigit() and int(v) >= 1),

@@ -60,13 +60,16 @@ ENDS = "ends.json"
 
 def why_not(configs: list[DictConfig]) -> str:
     """Why these jobs cannot share one process ("" when they can): a job of several workers
-    (each a process of its launcher), or one that compiles (torch.compile's caches and guards
-    are the process's, not a job's)."""
+    (each a process of its launcher), one that compiles (torch.compile's caches and guards
+    are the process's, not a job's), or jobs that want the heap set unlike (`accelexp.heap`)."""
     for cfg in configs:
         if cfg.parallelism.nprocs != 1:
             return f"parallelism.nprocs={cfg.parallelism.nprocs} starts workers of its own"
         if cfg.speed.compile != "off":
             return f"speed.compile={cfg.speed.compile} compiles in the process's own caches"
+    heaps = sorted({str(cfg.speed.heap) for cfg in configs})
+    if len(heaps) > 1:
+        return f"speed.heap={','.join(heaps)}: the heap's thresholds are the process's"
     return ""
 
 
