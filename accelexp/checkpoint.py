@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from accelexp import signals
+from accelexp.config.catalog import flatten
 from accelexp.config.identity import training_config
 from accelexp.errors import AccelexpError, ConfigError
 
@@ -377,7 +378,8 @@ def _saved_run(path: Path) -> str | None:
 
 def check_same_training(saved: Mapping[str, Any], current: Mapping[str, Any], path: Path) -> None:
     """A checkpoint continues only the run it came from: refuse one of another config."""
-    before, now = _flat(training_config(saved)), _flat(training_config(current))
+    before = flatten(training_config(saved), empty=False)
+    now = flatten(training_config(current), empty=False)
     differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
     if differ:
         shown = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in differ[:6])
@@ -393,13 +395,3 @@ def adopt_best(source: Path, checkpoints: Path) -> None:
     if best.is_file() and best.resolve() != (checkpoints / BEST).resolve():
         checkpoints.mkdir(parents=True, exist_ok=True)
         shutil.copy2(best, checkpoints / BEST)
-
-
-def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat

@@ -38,7 +38,7 @@ from typing import NoReturn, Protocol
 from omegaconf import DictConfig
 
 from accelexp import signals
-from accelexp.tracking.runs import FAILED, FINISHED, KILLED
+from accelexp.record import FAILED, FINISHED, KILLED
 
 EXIT_OK = 0
 EXIT_FAILED = 1

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import re
 
+# --- a run's status (MLflow's): which one it closes with is `accelexp.outcome.status_of` ------
+FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
+RUNNING = "RUNNING"  # while its process lives (and after it died without a word, until healed)
+
 # --- metrics of every epoch (step = the epoch) -----------------------------------------------
 TRAIN_LOSS = "train_loss"
 TRAIN_ACC = "train_acc"

@@ -128,8 +128,8 @@ class AutotunePath:
 
 def decide(step: Step, tolerance: float) -> None:
     """Measure `step`'s candidate against its base (their runs of one round) and decide."""
-    finished = [r for r in step.runs if r.status == "FINISHED"]
-    base_finished = [r for r in step.base_runs if r.status == "FINISHED"]
+    finished = [r for r in step.runs if r.status == record.FINISHED]
+    base_finished = [r for r in step.base_runs if r.status == record.FINISHED]
     step.acc = _mean_acc(finished)
     step.base_acc = _mean_acc(base_finished)
     if not finished:

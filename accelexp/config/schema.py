@@ -262,6 +262,7 @@ class SpeedConfig:
         "auto",
         "glibc malloc's thresholds: pinned (a CPU run's speed independent of its history) or "
         "dynamic (glibc's default); auto: pinned on a CPU",
+        SPEED,
         choices=("auto", "pinned", "dynamic"),
     )
 

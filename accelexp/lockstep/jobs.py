@@ -29,7 +29,7 @@ from omegaconf import DictConfig
 from accelexp.lockstep import LOCKSTEP_ENV, together
 from accelexp.lockstep.turns import Turns
 from accelexp.processes import GRACE_S, SWEEP_ENV, die_with_parent
-from accelexp.tracking.runs import FAILED, KILLED
+from accelexp.record import FAILED, KILLED
 
 log = logging.getLogger(__name__)
 

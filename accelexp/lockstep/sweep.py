@@ -289,7 +289,8 @@ def incarnation(
     def close_unclosed(end: lockstep_jobs.JobEnd, status: str) -> None:
         """A job that died without closing its run (SIGKILL, the OOM killer, a signal while
         its next process started): its run closed as `status`, never left RUNNING."""
-        from accelexp.tracking.runs import FAILED, FINISHED, KILLED, close_run
+        from accelexp.record import FAILED, FINISHED, KILLED
+        from accelexp.tracking.runs import close_run
 
         close_run(config.mlflow, end.output_dir, status, keep=(FINISHED, FAILED, KILLED))
 

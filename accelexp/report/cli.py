@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from accelexp.errors import AccelexpError
-from accelexp.record import ENDED
+from accelexp.record import ENDED, FAILED
 from accelexp.report.compare import (
     BASELINE_KEYS,
     DEFAULT_BASELINE,
@@ -360,7 +360,7 @@ def _comparison(
     _tell_written(written, out_dir, [] if args.no_plots else plots)
     gone = {record.run_id: record.tags.get(ENDED) for record in records}
     for row in rows:
-        if row.status == "FAILED":
+        if row.status == FAILED:
             why = gone.get(row.run_id) or "its error is in the run's artifact error.txt"
             print(f"Run {row.run_name} ({row.run_id}) FAILED: {why}", file=sys.stderr)
 

@@ -64,6 +64,7 @@ from accelexp.record import (
     DATA,
     DEVICE,
     ENDED,
+    FINISHED,
     FSDP_UNITS,
     HOST,
     LOCKSTEP_CONTENDED,
@@ -81,6 +82,7 @@ from accelexp.record import (
     PROCESS_SHARED,
     REPEAT_INDEX,
     REPEATS,
+    RUNNING,
     SAMPLES_PER_S,
     SPEED,
     STAGE_FACT,
@@ -96,7 +98,6 @@ from accelexp.record import (
 )
 from accelexp.stats import Estimate
 from accelexp.tracking.query import RunRecord
-from accelexp.tracking.runs import RUNNING
 
 DEFAULT_BASELINE = "world_size=1,precision=fp32"
 BASELINE_KEYS = (WORLD_SIZE, PRECISION, PARALLELISM, MODEL, DATA, SPEED)
@@ -174,7 +175,7 @@ class Row:
     def label(self) -> str:
         """The run's name, with its status when it did not finish, and how many repeats (a
         contended row is marked in the `noise` column, which no column width cuts)."""
-        name = self.run_name if self.status == "FINISHED" else f"{self.run_name} ({self.status})"
+        name = self.run_name if self.status == FINISHED else f"{self.run_name} ({self.status})"
         return f"{name} ×{self.repeats}" if self.repeats > 1 else name
 
     def estimate(self, figure: str) -> Estimate | None:
@@ -307,7 +308,7 @@ def differ_text(diffs: Sequence[tuple[str, str, str]]) -> str:
 def describe(record: RunRecord) -> str:
     """`parallelism=ddp world_size=2 precision=fp32 speed=eager ...`, and a status not FINISHED."""
     config = " ".join(f"{key}={setting(record, key) or '?'}" for key in CONFIG_KEYS)
-    return f"{config} ({record.status})" if record.status != "FINISHED" else config
+    return f"{config} ({record.status})" if record.status != FINISHED else config
 
 
 # --- the comparison -----------------------------------------------------------------------------
@@ -380,7 +381,7 @@ def everything_set_aside(records: Sequence[RunRecord]) -> str:
     """One line when every finished run of the selection was contended (so no ratio could be
     taken): how many, one run's evidence, and what to do; else "". The rows' notes then leave
     the contention out (`compare`), so the evidence is not repeated per repeat."""
-    finished = [r for r in records if r.status == "FINISHED"]
+    finished = [r for r in records if r.status == FINISHED]
     if not finished or not all(contention(r) for r in finished):
         return ""
     example = finished[0]
@@ -418,7 +419,7 @@ class Group:
 
     @property
     def finished(self) -> list[RunRecord]:
-        return [r for r in self.records if r.status == "FINISHED"]
+        return [r for r in self.records if r.status == FINISHED]
 
     @property
     def usable(self) -> list[RunRecord]:
@@ -538,7 +539,7 @@ def lockstep_ratio(row: Group, base: Group) -> Estimate | None:
 
 def group(records: Sequence[RunRecord]) -> list[Group]:
     """The selection's runs by configuration (`group_key`), in the order they first appear."""
-    measured = {r.run_id: measure_estimate(r) for r in records if r.status == "FINISHED"}
+    measured = {r.run_id: measure_estimate(r) for r in records if r.status == FINISHED}
     groups: dict[str, list[RunRecord]] = {}
     for record in records:
         groups.setdefault(group_key(record), []).append(record)
@@ -563,7 +564,7 @@ def compare(
     """
     wanted = parse_baseline(baseline)
     groups = group(records)
-    if strict and not any(r.status == "FINISHED" and matches(r, wanted) for r in records):
+    if strict and not any(r.status == FINISHED and matches(r, wanted) for r in records):
         raise BaselineError(_no_baseline_message(records, wanted))
     finished = [g for g in groups if g.finished]
     candidates = [g for g in finished if matches(g.first, wanted)]
@@ -612,7 +613,7 @@ class _Comparison:
 
     def fill(self, row: Row, grouped: Group) -> None:
         finished, shown = grouped.finished, grouped.shown
-        row.status = "FINISHED"
+        row.status = FINISHED
         accuracy = [r.metrics[TEST_ACC] for r in shown or finished if TEST_ACC in r.metrics]
         if accuracy:
             row.test_acc, row.test_acc_sd = stats.mean_sd(accuracy)
@@ -680,7 +681,7 @@ class _Comparison:
             return [f"contended ({why})"] if why and not contention_said else []
         notes = []
         for record in grouped.records:
-            if record.status != "FINISHED":
+            if record.status != FINISHED:
                 notes.append(f"{repeat_label(record)} {record.status}")
             elif (why := contention(record)) and not contention_said:
                 notes.append(f"{repeat_label(record)} set aside: contended ({why})")
@@ -733,7 +734,7 @@ def _no_baseline_message(records: Sequence[RunRecord], wanted: dict[str, str]) -
     unusable = [r.name for r in records if matches(r, wanted)]
     why = f" (matching, but not finished with a throughput: {', '.join(unusable)})"
     why = why if unusable else ""
-    finished = [r for r in records if r.status == "FINISHED"]
+    finished = [r for r in records if r.status == FINISHED]
     example = min(  # the likeliest baseline: fp32 with the fewest workers
         finished,
         key=lambda r: (r.setting(PRECISION) != "fp32", world_size(r) or 0),

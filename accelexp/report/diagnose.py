@@ -24,6 +24,7 @@ from accelexp.record import (
     DIAGNOSIS_DETAIL,
     DIAGNOSIS_NEXT,
     FLOP_UTILISATION,
+    RUNNING,
     TIME_COMM_OVERLAP,
     TIME_GPU_BUSY,
     TIME_METRICS,
@@ -32,7 +33,6 @@ from accelexp.record import (
 )
 from accelexp.report.compare import compare, group, status_note
 from accelexp.tracking.query import RunRecord
-from accelexp.tracking.runs import RUNNING
 
 SEGMENTS = TIME_PARTS  # time_s(segment): time/input_s...
 OPTIONAL_SEGMENTS = frozenset({"comm"})  # 0 when not logged (a single process never waits on one)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from accelexp import stats
+from accelexp.record import FAILED, FINISHED
 from accelexp.report.compare import Row
 from accelexp.report.diagnose import DiagnosisRow, footnote
 from accelexp.report.ladder import LadderRow
@@ -312,7 +313,7 @@ def to_markdown(rows: Sequence[Any], layout: Layout = RUNS, summary: str = "") -
         cells = []
         for key in headers:
             text = layout.text(row, key).replace("|", "\\|")
-            if key == "status" and row.status != "FINISHED":
+            if key == "status" and row.status != FINISHED:
                 text = f"**{text}**"
             cells.append(text)
         lines.append("| " + " | ".join(cells) + " |")
@@ -354,7 +355,7 @@ def render_table(
             max_width=layout.widths.get(key),
         )
     for row in rows:
-        style = "red" if row.status == "FAILED" else ("yellow" if row.status != "FINISHED" else "")
+        style = "red" if row.status == FAILED else ("yellow" if row.status != FINISHED else "")
         cells = (layout.text(row, key) for key in headers)
         table.add_row(*cells, style=style or None)
     return table

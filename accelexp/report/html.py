@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from accelexp.record import FAILED, FINISHED
 from accelexp.report.compare import Row
 from accelexp.report.formats import LADDER, NOTES_HEADING, RUNS, Layout
 from accelexp.report.ladder import LadderRow, ladder_subject
@@ -58,7 +59,7 @@ def _table(rows: Sequence[Any], layout: Layout) -> str:
     head = "".join(_cell("th", title, key in layout.numeric) for key, title in headers.items())
     body = []
     for row in rows:
-        css = {"FINISHED": "", "FAILED": ' class="failed"'}.get(row.status, ' class="unfinished"')
+        css = {FINISHED: "", FAILED: ' class="failed"'}.get(row.status, ' class="unfinished"')
         cells = "".join(
             _cell("td", layout.text(row, key), key in layout.numeric) for key in headers
         )

@@ -28,6 +28,7 @@ from accelexp.record import (
     BEST_VAL_ACC,
     COMPILE_S,
     DATA,
+    FINISHED,
     MODEL,
     PRECISION,
     RUNG,
@@ -91,7 +92,7 @@ class LadderRow:
     @property
     def label(self) -> str:
         """The rung's name, with its status when its run did not finish."""
-        return self.rung if self.status == "FINISHED" else f"{self.rung} ({self.status})"
+        return self.rung if self.status == FINISHED else f"{self.rung} ({self.status})"
 
     @property
     def vs_previous(self) -> str | None:
@@ -131,7 +132,7 @@ def _rung_name(index: int, runs_by_index: dict[int, list[RunRecord]]) -> str:
 
 def _chosen(runs: list[RunRecord]) -> tuple[RunRecord, Group]:
     """The newest FINISHED run of a rung, else its newest run, and its repeats."""
-    newest = max(runs, key=lambda r: (r.status == "FINISHED", r.start_time))
+    newest = max(runs, key=lambda r: (r.status == FINISHED, r.start_time))
     return newest, next(g for g in group(runs) if newest in g.records)
 
 
@@ -168,7 +169,7 @@ def ladder(records: Sequence[RunRecord]) -> list[LadderRow]:
             data=setting(record, DATA),
         )
         rows.append(row)
-        if record.status != "FINISHED":
+        if record.status != FINISHED:
             continue
         row.note = repeats.measured[record.run_id][1]
         row.compile_s = record.metrics.get(COMPILE_S)

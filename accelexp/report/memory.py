@@ -43,6 +43,7 @@ from accelexp.record import (
     ACTIVATION_CHECKPOINTING,
     DATA,
     DEVICE,
+    FINISHED,
     MAX_BATCH,
     MODEL,
     NUM_DEVICES,
@@ -193,7 +194,7 @@ def memory_row(record: RunRecord) -> MemoryRow:
         device=record.tags.get(DEVICE, ""),
         checkpointing=setting(record, ACTIVATION_CHECKPOINTING) or "none",
     )
-    if record.status != "FINISHED":
+    if record.status != FINISHED:
         row.note = f"{record.status}: no figures"
         return row
     notes = []
@@ -314,7 +315,7 @@ class LeverRow:
     @property
     def status(self) -> str:
         """What the tables style a row by: a lever is weighed on finished runs only."""
-        return "FINISHED"
+        return FINISHED
 
     @property
     def label(self) -> str:
@@ -414,7 +415,7 @@ def levers(records: Sequence[RunRecord]) -> list[LeverRow]:
     """Each lever (`LEVERS`, and activation checkpointing in each mode the runs have) on each
     finished run that pulled it, against the same run without it: by model, lever, parallelism,
     workers, precision, checkpointing (none first)."""
-    runs = [(memory_row(r), r) for r in records if r.status == "FINISHED"]
+    runs = [(memory_row(r), r) for r in records if r.status == FINISHED]
     modes = sorted({row.checkpointing for row, _ in runs} - {"none"})
     rows = []
     for lever in (*LEVERS[:1], *map(_checkpointing_lever, modes), *LEVERS[1:]):

@@ -26,7 +26,15 @@ from pathlib import Path
 from typing import Any
 
 from accelexp.objective import MAXIMIZE, OBJECTIVES, Objective
-from accelexp.record import DATA, DEVICE, MODEL, OBJECTIVE, OBJECTIVE_DIRECTIONS, OVERRIDES
+from accelexp.record import (
+    DATA,
+    DEVICE,
+    FINISHED,
+    MODEL,
+    OBJECTIVE,
+    OBJECTIVE_DIRECTIONS,
+    OVERRIDES,
+)
 from accelexp.report.formats import Layout, to_csv, to_markdown
 from accelexp.report.plots import _figure, _legend_outside, save_or_remove, title_subject
 from accelexp.tracking.query import RunRecord
@@ -169,8 +177,8 @@ def pareto(records: Sequence[RunRecord]) -> Front | None:
     for record in sorted(mine, key=lambda r: r.start_time):
         values = [record.metrics.get(o.metric) for o in objectives]
         missing = [o.metric for o, v in zip(objectives, values, strict=True) if v is None]
-        if record.status != "FINISHED" or missing:
-            why = record.status if record.status != "FINISHED" else f"no {', '.join(missing)}"
+        if record.status != FINISHED or missing:
+            why = record.status if record.status != FINISHED else f"no {', '.join(missing)}"
             left_out.append(f"{record.name}: {why}")
             continue
         trials.append(Trial(record.name, record.run_id, record.status, varied[record.run_id],

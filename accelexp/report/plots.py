@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from accelexp import stats
-from accelexp.record import ELAPSED_S, VAL_ACC
+from accelexp.record import ELAPSED_S, FINISHED, RUNNING, VAL_ACC
 from accelexp.report.compare import PRECISION_ORDER, Row, group
 from accelexp.report.diagnose import SEGMENTS, DiagnosisRow
 from accelexp.report.ladder import LadderRow, ladder_subject
@@ -476,7 +476,7 @@ def accuracy_vs_time_figure(rows: Sequence[Row], records: Sequence[RunRecord]) -
     for row, _, runs in curves:
         parts = [row.parallelism, f"×{row.world_size}", row.precision]
         parts += [getattr(row, k) for k in extra]
-        if row.status != "FINISHED":
+        if row.status != FINISHED:
             parts.append(f"({row.status})")
         if runs > 1:
             parts.append(f"(mean of {runs})")
@@ -564,7 +564,7 @@ def time_breakdown_figure(rows: Sequence[DiagnosisRow], subject: str) -> Any | N
         left = [start + share for start, share in zip(left, shares, strict=True)]
     for position, row in zip(positions, rows, strict=True):
         if not row.accounted:
-            missing = "still running" if row.status == "RUNNING" else "no time accounting"
+            missing = "still running" if row.status == RUNNING else "no time accounting"
             axes.text(1, position, missing, va="center", color="0.4")
     axes.set_yticks(positions, [_bar_label(row) for row in rows])
     axes.invert_yaxis()  # the table's first run on top
@@ -584,7 +584,7 @@ def plot_time_breakdown(rows: Sequence[DiagnosisRow], subject: str, path: Path) 
 
 def _bar_label(row: DiagnosisRow) -> str:
     """`run name` over `bound: input`, and the status of a run that did not finish."""
-    status = f" ({row.status})" if row.status != "FINISHED" else ""
+    status = f" ({row.status})" if row.status != FINISHED else ""
     return f"{row.run_name}\nbound: {row.bound or '—'}{status}"
 
 

@@ -42,6 +42,7 @@ from omegaconf import DictConfig
 
 from accelexp import objective, processes, record
 from accelexp.errors import AccelexpError
+from accelexp.record import FAILED, FINISHED, RUNNING
 from accelexp.tracking import credentials
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,6 @@ METRIC_DIGITS = 5
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves by default
 SWEEP_REPORT = "report/report.html"  # the sweep report's artifact on the sweep's parent run
 LOCKED_RETRY_S = 120.0  # how long a write waits out a SQLite store locked by other writers
-# MLflow's run statuses a run is closed with (which one: `accelexp.outcome.status_of`)
-FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
-RUNNING = "RUNNING"  # a run's status while its process lives (and after it died without a word)
 MAX_RUNNING = 1000  # a store's RUNNING runs of one host that one healing looks at
 
 
