@@ -1,12 +1,16 @@
 """Hydra's basic sweeper, with repeats run round-robin: `python run.py -m ... repeats=3`.
 
 A sweep's jobs are the cartesian product of its overrides, as Hydra's `BasicSweeper` makes it;
-with `repeats=N` each job is run N times, and the N rounds follow one another — A B C, A B C,
+with `repeats=N` each job is run N times, and the N rounds follow one another — A B C, C B A,
 A B C, never A A A B B B — so a drift of the machine's speed (another job starting, a GPU
 warming up, a neighbour on the host) falls on every configuration alike, and repeat i of every
 configuration ran close in time to repeat i of the others: the report pairs them by that index
-(`accelexp.report.compare`). Each job gets `repeat_index=i`; with `repeat_seed=vary` also
-`seed=<seed + i>` (varied seeds give accuracy's spread; the same seed isolates speed noise).
+(`accelexp.report.compare`). Every other round runs backwards (as autotune's rounds and
+lockstep's turns do): what being first or second in a round does to a run cancels over two
+rounds. Measured: with A B every round, the second side of an A/A read 1.6-5 % slower in 2 of 4
+trials whose intervals then excluded 1.00 (`docs/statistics.md`). Each job gets
+`repeat_index=i`; with `repeat_seed=vary` also `seed=<seed + i>` (varied seeds give accuracy's
+spread; the same seed isolates speed noise).
 
 The sweeper itself is `hydra_plugins.accelexp_sweeper.RepeatSweeper` (Hydra takes plugins from
 its `hydra_plugins` package only), selected in conf/default_sweeper.yaml (`override
@@ -111,11 +115,14 @@ def check_configurations(
             raise ConfigError(f"{which} cannot run, so no job of the sweep ran. {error}") from None
 
 
-def repeated(jobs: list[list[str]], repeats: int, seed: int | None) -> list[list[str]]:
-    """Each job `repeats` times, round after round; `seed`: the first repeat's (vary)."""
+def repeated(
+    jobs: list[list[str]], repeats: int, seed: int | None, first: int = 0
+) -> list[list[str]]:
+    """Each job `repeats` times, round after round from round `first`, every odd round
+    backwards; `seed`: round 0's (vary)."""
     rounds = []
-    for index in range(repeats):
-        for job in jobs:
+    for index in range(first, first + repeats):
+        for job in jobs if index % 2 == 0 else jobs[::-1]:
             if seed is None:
                 rounds.append([*job, f"repeat_index={index}"])
             else:  # the command line's seed=S is the first repeat's

@@ -163,14 +163,15 @@ def test_repeats_run_round_robin_and_the_report_makes_each_configuration_one_row
     parent, children = runs_of(uri)
     children.sort(key=lambda r: r.info.start_time)
     order = [(r.data.tags["precision"], r.data.tags["repeat_index"]) for r in children]
-    assert order == [("fp32", "0"), ("bf16", "0"), ("fp32", "1"), ("bf16", "1")]  # A B A B
+    # A B, B A: round after round, every other round backwards
+    assert order == [("fp32", "0"), ("bf16", "0"), ("bf16", "1"), ("fp32", "1")]
     assert [r.data.params["seed"] for r in children] == ["42", "42", "43", "43"]
     assert [r.info.run_name for r in children] == [
         "r1 fp32 simple_cnn-single", "r1 bf16 simple_cnn-single",
-        "r2 fp32 simple_cnn-single", "r2 bf16 simple_cnn-single",
+        "r2 bf16 simple_cnn-single", "r2 fp32 simple_cnn-single",
     ]  # fmt: skip
     ids = [r.data.tags["config_id"] for r in children]
-    assert ids[0] == ids[2] != ids[1] == ids[3]  # one configuration across repeats and seeds
+    assert ids[0] == ids[3] != ids[1] == ids[2]  # one configuration across repeats and seeds
     for run in children:  # an interval where the steps support one (a burst can make it
         metrics = run.data.metrics  # unbounded: then none is claimed, accelexp.stats.rate)
         assert metrics["throughput_steps"] >= stats.MIN_BATCH_MEANS

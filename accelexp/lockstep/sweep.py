@@ -190,8 +190,8 @@ class Repeats:
         returns: list[object] = []
         number = 0
         for index in range(self.most):
-            batch = repeated(self.configurations, 1, seed + index if vary else None)
-            batch = [[*self._without_index(job), f"repeat_index={index}"] for job in batch]
+            jobs = [self._without_index(job) for job in self.configurations]
+            batch = repeated(jobs, 1, seed if vary else None, first=index)
             started = time.perf_counter()
             returns.append(self._one_repeat(batch, number))
             number += len(batch)
