@@ -756,13 +756,14 @@ def main() -> int:
         print("\nGoals:")
         for text, ok in goals:
             print(f"  {'PASS' if ok else 'FAIL'}  {text}")
-        total_wall = sum(s.wall_s for s, _ in results.values())
-        total_cpu = sum(s.cpu_s for s, _ in results.values())
-        hog_cpu = sum(j.hog.cpu_s for s, _ in results.values() for j in s.jobs if j.hog)
-        print(
-            f"Totals: sweeps' wall {total_wall:.1f} s, their CPU {total_cpu:.1f} s; "
-            f"the hogs' CPU {hog_cpu:.1f} s"
-        )
+        if results:  # --designs prints each sweep's wall and CPU time in its table
+            total_wall = sum(s.wall_s for s, _ in results.values())
+            total_cpu = sum(s.cpu_s for s, _ in results.values())
+            hog_cpu = sum(j.hog.cpu_s for s, _ in results.values() for j in s.jobs if j.hog)
+            print(
+                f"Totals: sweeps' wall {total_wall:.1f} s, their CPU {total_cpu:.1f} s; "
+                f"the hogs' CPU {hog_cpu:.1f} s"
+            )
     finally:
         if args.keep:
             print(f"store kept: mlflow ui --backend-store-uri {uri(store)}")
