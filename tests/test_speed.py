@@ -9,6 +9,7 @@ generates and builds C++ here), so those runs take tens of seconds.
 from __future__ import annotations
 
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -82,30 +83,32 @@ from accelexp.speed import SpeedSwitches
 from conftest import speed_cfg
 SpeedSwitches.resolve(speed_cfg(heap=sys.argv[1]), torch.device("cpu"), torch.nn.Linear(1, 1)
                       ).apply_backends()
-def step():  # a block mapped and freed (glibc's thresholds rise to 1 MiB, 2 MiB), then 4 MiB
-    torch.ones(2**20, dtype=torch.uint8)  # of tensors on the heap's top, freed together
-    [torch.ones(2**18, dtype=torch.uint8) for _ in range(16)]
-for _ in range(3):
+def step():  # 80 MiB of 16-MiB tensors, freed together: more than glibc's moving trim threshold
+    [torch.ones(2**24, dtype=torch.uint8) for _ in range(5)]  # can reach (2 x 32 MiB)
+step()
+for _ in range(8):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(20):
-    step()
-print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
 def test_a_pinned_heap_does_not_fault_a_steps_tensors_in_again_each_step(tmp_path):
     """glibc's moving thresholds give the top of the heap back when a step frees it, so the
     next step faults it in again (what made one process's fp32 run 40 % slower than another's,
-    `accelexp.heap`); pinned (`auto` on a CPU), the same steps reuse their pages."""
+    `accelexp.heap`); pinned (`auto` on a CPU), the same steps reuse their pages. At a size whose
+    faults do not depend on what the process freed before (the thresholds' ceilings)."""
 
-    def faults(heap: str) -> float:
+    def faults(heap: str) -> list[int]:  # minor page faults of each step after the first
         code = [sys.executable, "-c", FAULTS_PER_STEP, heap]
         done = subprocess.run(code, capture_output=True, text=True, cwd=TESTS, check=True)
-        return float(done.stdout)
+        return [int(line) for line in done.stdout.split()]
 
     pinned, dynamic = faults("auto"), faults("dynamic")
-    assert pinned < 1 < dynamic / 100, (pinned, dynamic)  # 4 MiB: 1,024 pages a step
+    # glibc's own thresholds fault the second step's tensors in again (later steps vary with
+    # what the process freed: its history); pinned, a step's pages are kept (at most one
+    # tensor's, 4,096 pages, came back now and then on this VM: the host reclaims cold pages)
+    assert statistics.median(pinned) == 0 and max(pinned) <= 4096 < dynamic[0], (pinned, dynamic)
 
 
 @pytest.mark.parametrize(
