@@ -7,8 +7,9 @@ warming up, a neighbour on the host) falls on every configuration alike, and rep
 configuration ran close in time to repeat i of the others: the report pairs them by that index
 (`accelexp.report.compare`). Every other round runs backwards (as autotune's rounds and
 lockstep's turns do): what being first or second in a round does to a run cancels over two
-rounds. Measured: with A B every round, the second side of an A/A read 1.6-5 % slower in 2 of 4
-trials whose intervals then excluded 1.00 (`docs/statistics.md`). Each job gets
+rounds. (An A/A whose side b read 1.6-5 % slower in 2 of 5 trials was not the order, though, but
+the collector reclaiming the job before's garbage in the next job's steps: each job now starts
+with a collection, `accelexp.train.run`; `docs/statistics.md`.) Each job gets
 `repeat_index=i`; with `repeat_seed=vary` also `seed=<seed + i>` (varied seeds give accuracy's
 spread; the same seed isolates speed noise).
 
