@@ -408,6 +408,11 @@ class LockstepConfig:
     epochs_per_process: int | None = key(
         1, "a one-process job goes on in a fresh process after this many epochs; null: never"
     )
+    turn_timeout_s: float = key(
+        600.0,
+        "a job that holds its turn this long without handing it back is hung: it is stopped "
+        "and named, the others go on (a turn also holds its evaluation and checkpoint)",
+    )
 
 
 @dataclass

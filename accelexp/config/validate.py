@@ -112,6 +112,7 @@ def _rules() -> list[Rule]:
         ("lockstep.slice_s", lambda v: v is None or v > 0, "null or a number of seconds > 0"),
         ("lockstep.warmup_rounds", lambda v: v >= 0, "an integer >= 0"),
         ("lockstep.epochs_per_process", *optional_at_least_one),
+        ("lockstep.turn_timeout_s", lambda v: v > 0, "a number of seconds > 0"),
         ("objective", objective.valid, objective.ALLOWED),
         ("epochs", *at_least_one),
         ("max_steps_per_epoch", *optional_at_least_one),

@@ -56,13 +56,16 @@ def run_incarnation(
     names: Sequence[str],
     close_unclosed: Callable[[JobEnd, str], None],
     configs: Sequence[DictConfig] | None = None,
+    turn_timeout_s: float = 600.0,
 ) -> tuple[list[JobEnd], list[str]]:
     """Run `jobs` (overrides each) side by side in lockstep; their ends, and what `Turns` had
     to say (a job that failed while the others went on). With their `configs` (as the sweep
     composed them), all in one process (`accelexp.lockstep.together`), else each in its own.
     A job that ended non-zero and left its run open has it closed (`close_unclosed(end,
-    status)`): KILLED when the sweep was stopped, else FAILED."""
-    turns = Turns(list(names))
+    status)`): KILLED when the sweep was stopped, else FAILED. A job that holds its turn over
+    `turn_timeout_s` is hung: its process is killed (with the jobs that share it) and its run
+    closed FAILED."""
+    turns = Turns(list(names), turn_timeout_s, one_process=configs is not None)
     status = FAILED  # of a run a job left open
     processes: list[subprocess.Popen] = []
     ends = [
@@ -108,6 +111,7 @@ def run_incarnation(
         for waiter in waiters:
             while waiter.is_alive():  # joined in steps: a signal gets through between them
                 waiter.join(0.5)
+                _kill_hung(turns, processes)
     except KeyboardInterrupt:
         turns.stopping()
         _stop(processes)
@@ -146,6 +150,17 @@ def _wait(
     own = together.read_ends(shared) if shared is not None else {}
     for index, number in numbers.items():
         turns.job_exited(index, own.get(number, returncode))
+
+
+def _kill_hung(turns: Turns, processes: Sequence[subprocess.Popen]) -> None:
+    """SIGKILL the process group of each job `turns` found hung (one process holding every job:
+    that one): it may not answer a signal it would handle (blocked in a collective), and its
+    run, left open, is closed FAILED (`close_unclosed`)."""
+    while not turns.hung.empty():
+        index = turns.hung.get()
+        process = processes[0] if turns.one_process else processes[index]
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def _stop(processes: Sequence[subprocess.Popen]) -> None:

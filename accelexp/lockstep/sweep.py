@@ -296,8 +296,9 @@ def incarnation(
 
     sweep_dir = Path(config.hydra.sweep.dir)
     ends, _said = lockstep_jobs.run_incarnation(
-        batch, number, sweep_dir, environment, names, close_unclosed, configs
-    )
+        batch, number, sweep_dir, environment, names, close_unclosed, configs,
+        config.lockstep.turn_timeout_s,
+    )  # fmt: skip
     return ends
 
 

@@ -9,7 +9,10 @@ job said it goes on in a fresh process ("again": `gate.Reincarnation`) and that 
 In each round every live job gets one turn, in job order on even rounds and in reverse on odd
 ones. A job whose ranks all said bye has finished; a job whose connection broke before its bye,
 or whose process ended without one, has failed: it is left out from then on, the others go on
-alone, and `said` says so (the sweeper logs it, the report pairs only the rounds both ran).
+alone, and `said` says so (the sweeper logs it, the report pairs only the rounds both ran). A job
+that holds its turn longer than `turn_timeout_s` (`lockstep.turn_timeout_s`) is hung — a
+collective that never completes, a deadlock — and fails the same way; it is listed in `hung`
+for the sweeper to stop (in one process with the others, all of them stop with it).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import queue
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from typing import Any
@@ -51,10 +55,18 @@ class _Job:
 
 
 class Turns:
-    """Hands turns among `names` (one per job, in job order) until every job has ended."""
+    """Hands turns among `names` (one per job, in job order) until every job has ended.
+    `one_process`: the jobs share one process (`accelexp.lockstep.together`), so a hung one
+    stops them all."""
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(
+        self, names: list[str], turn_timeout_s: float = 600.0, one_process: bool = False
+    ) -> None:
         self.jobs = [_Job(name) for name in names]
+        self.turn_timeout_s = turn_timeout_s
+        self.one_process = one_process
+        self.hung: queue.SimpleQueue[int] = queue.SimpleQueue()  # jobs for the sweeper to stop
+        self._granted = 0.0  # when the holder got its turn (time.monotonic)
         self.folder = tempfile.mkdtemp(prefix="accelexp-lockstep-")
         self.address = os.path.join(self.folder, "turns")
         self.authkey = os.urandom(16)
@@ -125,7 +137,10 @@ class Turns:
 
     def _decide(self) -> None:
         while True:
-            event = self.events.get()
+            try:
+                event = self.events.get(timeout=self._patience())
+            except queue.Empty:  # the holder kept its turn too long
+                event = ("hung", self._holder)
             if event[0] == "stop":
                 return
             self._take(event)
@@ -134,10 +149,19 @@ class Turns:
                 self._done.set()
                 return
 
+    def _patience(self) -> float | None:
+        """Seconds until the holder's turn has lasted `turn_timeout_s`; None: no one holds it."""
+        if self._holder is None:
+            return None
+        return max(0.0, self._granted + self.turn_timeout_s - time.monotonic())
+
     def _take(self, event: tuple[Any, ...]) -> None:
         kind, index, *rest = event
         if kind == "stopping":
             self._stopping = True
+            return
+        if kind == "hung":
+            self._hung(index)
             return
         job = self.jobs[index]
         if kind == "hello":  # a rank's first, or its fresh process's after "again"
@@ -165,6 +189,22 @@ class Turns:
                 job.state = FINISHED
             else:
                 self._fail(index, f"its process ended (exit code {returncode})")
+
+    def _hung(self, index: int) -> None:
+        """Job `index` held its turn over `turn_timeout_s`: failed, for the sweeper to stop."""
+        why = (
+            f"it held its turn over {self.turn_timeout_s:g} s without handing it back (hung? "
+            f"lockstep.turn_timeout_s); it is stopped"
+        )
+        if self.one_process:  # the others wait in the same process: they stop with it
+            why += ", and with it the jobs that share its process"
+            self._stopping = True
+        self._fail(index, why)
+        if self.one_process:
+            for other in self.jobs:
+                other.state = FAILED if other.state == LIVE else other.state
+        self._holder = None
+        self.hung.put(index)
 
     def _fail(self, index: int, why: str) -> None:
         job = self.jobs[index]
@@ -210,7 +250,7 @@ class Turns:
             self._order.insert(0, index)
             return
         job.asking.clear()
-        self._holder = index
+        self._holder, self._granted = index, time.monotonic()
         for rank, conn in job.conns.items():
             try:
                 conn.send(("go", self.rounds - 1))
