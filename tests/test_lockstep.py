@@ -198,7 +198,7 @@ def test_a_job_that_holds_its_turn_too_long_is_stopped_as_hung(
     parent, children = runs_of(uri)
     statuses = {c.data.params["debug.input_delay_ms"]: c.info.status for c in children}
     alone = "FINISHED" if process == "own" else "FAILED"
-    assert statuses == {"0": alone, "3000": "FAILED"}, statuses
+    assert statuses == {"0.0": alone, "3000.0": "FAILED"}, statuses
     assert parent.info.status == "FAILED"
 
 
