@@ -189,8 +189,8 @@ class Repeats:
             self.shared = shared_process(config.lockstep.process, configs)
         returns: list[object] = []
         number = 0
+        jobs = [self._without_index(job) for job in self.configurations]
         for index in range(self.most):
-            jobs = [self._without_index(job) for job in self.configurations]
             batch = repeated(jobs, 1, seed if vary else None, first=index)
             started = time.perf_counter()
             returns.append(self._one_repeat(batch, number))

@@ -200,9 +200,9 @@ class Turns:
             why += ", and with it the jobs that share its process"
             self._stopping = True
         self._fail(index, why)
-        if self.one_process:
-            for other in self.jobs:
-                other.state = FAILED if other.state == LIVE else other.state
+        for other in self.jobs if self.one_process else ():
+            if other.state == LIVE:
+                other.state = FAILED
         self._holder = None
         self.hung.put(index)
 
