@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import signal
 from pathlib import Path
 
@@ -242,10 +243,15 @@ def test_a_precision_target_stops_sampling(tmp_path: Path, mlflow_template_db: P
     met runs up to max_repeats and says the budget was spent."""
     measurable = ("data.num_train=1024", "max_steps_per_epoch=16", "epochs=1")  # 12 timed steps
     met, uri = sweep(tmp_path / "met", mlflow_template_db, "+mlflow.tags.side=a,b", *measurable,
-                     "precision_target=0.99", "max_repeats=6")  # fmt: skip
+                     "precision_target=0.99", "max_repeats=8")  # fmt: skip
     assert met.returncode == 0, output_of(met)
-    assert "precision target ±99 % reached" in output_of(met)
-    assert {c.data.tags[REPEAT_INDEX] for c in runs_of(uri)[1]} == {str(i) for i in range(5)}
+    # at the first repeat from MIN_REPEATS_FOR_TARGET on whose interval is that wide (a run a
+    # neighbour shared is set aside: a repeat more, seen once in CI), never the whole budget
+    reached = re.search(r"precision target ±99 % reached: .*, (\d+) repeats", output_of(met))
+    assert reached, output_of(met)
+    repeats = int(reached.group(1))
+    assert MIN_REPEATS_FOR_TARGET <= repeats < 8
+    assert {c.data.tags[REPEAT_INDEX] for c in runs_of(uri)[1]} == {str(i) for i in range(repeats)}
     spent, uri = sweep(tmp_path / "spent", mlflow_template_db, "+mlflow.tags.side=a,b",
                        *measurable, "precision_target=0.000001", "max_repeats=5")  # fmt: skip
     assert spent.returncode == 0, output_of(spent)
