@@ -186,7 +186,10 @@ def test_repeats_run_round_robin_and_the_report_makes_each_configuration_one_row
     for row in rows:  # two repeats each: behind the figures, or set aside with why (contended)
         aside = 2 if every_run_aside else row.note.count("set aside")
         behind = 0 if row.noise == "contended" else row.repeats
-        assert behind + aside == 2 and row.samples_per_s_low is not None, row
+        assert behind + aside == 2, row
+        # over two repeats an interval always exists; one run left has its own batch means,
+        # which a burst can leave unbounded (none claimed: the runs' check above)
+        assert row.samples_per_s_low is not None or behind < 2, row
 
 
 def test_repeats_without_m_and_a_sweep_of_repeats_are_refused_with_what_to_type(tmp_path, cli):
