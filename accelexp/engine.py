@@ -1,7 +1,7 @@
 """The training loop: epochs of train and evaluate, knowing only the component interfaces.
 
-`Trainer` sees a `Strategy` (where the work runs, how ranks agree), a `Precision` (autocast and
-loss scaling) and a plain optimizer and scheduler. Per-step work is one training step
+`Trainer` sees a `Strategy` (where the work runs, how ranks agree) with its `Precision` (autocast
+and loss scaling) and a plain optimizer and scheduler. Per-step work is one training step
 (`accelexp.step.train_step`: forward, backward, optimizer and scheduler step) and two on-device
 additions for the epoch's loss and accuracy; the host reads numbers back only for the progress
 bar (at steps 1, 2, 4, ... then every `log_every` steps: `figures_due`; a bar on a terminal, a
@@ -167,7 +167,6 @@ class Trainer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
-        precision: Precision,
         strategy: Strategy,
         max_steps_per_epoch: int | None = None,
         log_every: int = 20,
@@ -179,7 +178,6 @@ class Trainer:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
-        self.precision = precision
         self.strategy = strategy
         self.device = strategy.device
         self.max_steps = max_steps_per_epoch
@@ -239,7 +237,7 @@ class Trainer:
             images, labels = next(batches)
             clock.mark(INPUT)
             loss, logits = train_step(
-                self.model, images, labels, self.optimizer, self.precision, self.strategy,
+                self.model, images, labels, self.optimizer, self.strategy,
                 scheduler=self.scheduler, accumulate=accumulate,
                 step_now=(step + 1) % accumulate == 0 or step + 1 == steps, clock=clock,
             )  # fmt: skip
@@ -334,8 +332,8 @@ class Trainer:
         bar = tqdm(total=batches, desc=name, disable=not self.bar, leave=False, mininterval=0.5)
         last_line = time.perf_counter()
         for batch, (images, labels) in enumerate(loader, start=1):
-            with self.precision.autocast():
-                logits = self.model(self.precision.cast_inputs(images))
+            with self.strategy.precision.autocast():
+                logits = self.model(self.strategy.precision.cast_inputs(images))
             loss_sum += F.cross_entropy(logits.float(), labels, reduction="sum")
             correct += (logits.argmax(1) == labels).sum()
             seen += len(labels)

@@ -97,7 +97,6 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
     from accelexp.optim import build_optimizer
     from accelexp.parallel import build_strategy
     from accelexp.parallel.base import Sync
-    from accelexp.precision import Precision
     from accelexp.speed import SpeedSwitches
 
     batch = batch or cfg.data.batch_size
@@ -116,10 +115,9 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
     with world:
         strategy.setup()
         try:
-            precision = Precision.from_config(cfg.precision, strategy.device)
             # a GradScaler's state is one number, and its step reads whether a gradient
             # overflowed: a value fake tensors do not have. The step's memory is the same
-            precision.scaler = None
+            strategy.precision.scaler = None
             sample = (shape.channels, shape.image_size, shape.image_size)
             # built on the meta device (no values: an initialisation by rejection sampling, as
             # trunc_normal_'s, cannot run on fake tensors), then made fake on the run's device
@@ -129,7 +127,7 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
             model = switches.prepare(model)
             with FakeTensorMode(allow_non_fake_inputs=True):
                 model = model.to_empty(device=strategy.device)
-                model = strategy.wrap_model(model, precision, input_shape=(batch, *sample))
+                model = strategy.wrap_model(model, input_shape=(batch, *sample))
                 optimizer = strategy.wrap_optimizer(
                     build_optimizer(
                         cfg.optimizer, model.parameters(), cfg.optimizer.lr,
@@ -138,7 +136,7 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
                     model,
                 )  # fmt: skip
                 trial = Trial(
-                    model, optimizer, precision, strategy, sample, shape.num_classes,
+                    model, optimizer, strategy, sample, shape.num_classes,
                     switches.memory_format,
                 )  # fmt: skip
                 trial.step(batch)  # the optimizer's state, as in every step after the first

@@ -5,8 +5,8 @@ Forward (the batch cast as the precision's model takes it: `Precision.cast_input
 backward with its loss scaling inside the strategy's backward context (`sync=False` for the
 micro-batches that only accumulate, the loss divided by `accumulate`), and on the step that
 completes a group of micro-batches the strategy's optimizer step, `zero_grad` and the
-scheduler's step. It knows only the interfaces (`Strategy`,
-`Precision`), never a concrete strategy.
+scheduler's step. It knows only the interfaces (`Strategy` and its `precision`), never a
+concrete strategy.
 
 The loop's step clock is told where the forward, backward and optimizer phases end (`clock`, a
 `accelexp.timing.StepClock` or anything with its `mark`); the input and the loop's own
@@ -22,7 +22,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from accelexp.parallel.base import Strategy
-from accelexp.precision import Precision
 from accelexp.timing import BACKWARD, FORWARD, OPTIMIZER
 
 
@@ -44,7 +43,6 @@ def train_step(
     images: torch.Tensor,
     labels: torch.Tensor,
     optimizer: torch.optim.Optimizer,
-    precision: Precision,
     strategy: Strategy,
     *,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
@@ -58,6 +56,7 @@ def train_step(
     optimizer step); every micro-batch's loss is divided by `accumulate`."""
     if clock is None:
         clock = Unmarked()
+    precision = strategy.precision
     with strategy.backward_context(model, sync=step_now):
         with precision.autocast():
             logits = model(precision.cast_inputs(images))
@@ -66,7 +65,7 @@ def train_step(
         precision.backward(loss / accumulate if accumulate > 1 else loss)
     clock.mark(BACKWARD)
     if step_now:
-        strategy.optimizer_step(optimizer, precision)
+        strategy.optimizer_step(optimizer)
         optimizer.zero_grad()  # set_to_none by default since torch 2.0
         if scheduler is not None:
             scheduler.step()

@@ -49,7 +49,6 @@ from accelexp.optim import build_optimizer, build_scheduler
 from accelexp.parallel import connect, run_label
 from accelexp.parallel.base import Strategy
 from accelexp.parallel.world import current_world
-from accelexp.precision import Precision
 from accelexp.speed import SpeedSwitches, has_conv2d
 from accelexp.tracking import Tracker
 from accelexp.tracking.runs import RUN_ID_FILE, run_name, run_tags, significant
@@ -167,7 +166,7 @@ def run(
     output_dir = Path(output_dir)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    strategy, precision = connect(cfg)
+    strategy = connect(cfg)
     # compare=lockstep: the turns this job takes (a job of any other sweep passes no gate)
     gate = gate or lockstep_gate.from_environment(
         strategy.shape.rank,
@@ -177,7 +176,7 @@ def run(
         launched=current_world().joined,
     )
     try:
-        return _run(cfg, output_dir, overrides, strategy, precision, gate)
+        return _run(cfg, output_dir, overrides, strategy, gate)
     except lockstep_gate.Reincarnation:
         gate.close(again=True)  # the same job, back in a moment as a fresh process
         raise
@@ -197,7 +196,6 @@ def _run(
     output_dir: Path,
     overrides: Sequence[str],
     strategy: Strategy,
-    precision: Precision,
     gate: lockstep_gate.Gate,
 ) -> dict[str, float]:
     tracker = Tracker(cfg.mlflow, enabled=strategy.shape.is_main)
@@ -219,7 +217,6 @@ def _run(
     flops_per_sample = flops.train_flops_per_sample(model, sample_shape)  # before placement
     model = strategy.wrap_model(
         model,
-        precision,
         # a batch's shape, for strategies that time the model (parallelism.balance=compute)
         input_shape=(cfg.data.batch_size, data.in_channels, data.image_size, data.image_size),
         compile_mode=switches.compile_mode,
@@ -241,7 +238,6 @@ def _run(
         model,
         optimizer,
         scheduler,
-        precision,
         strategy,
         cfg.max_steps_per_epoch,
         cfg.log_every_n_steps,
@@ -258,7 +254,6 @@ def _run(
     }
     diagnosis = RunDiagnosis(
         strategy,
-        precision,
         cfg,
         flops_per_sample,
         in_effect,
@@ -273,7 +268,7 @@ def _run(
             load_model=partial(strategy.load_model_state_dict, model),
             load_optimizer=partial(strategy.load_optimizer_state_dict, model, optimizer),
             scheduler=scheduler,
-            load_scaler=precision.load_state_dict,
+            load_scaler=strategy.precision.load_state_dict,
             generator=generator,
             rank=strategy.shape.rank,
         )
@@ -286,7 +281,7 @@ def _run(
         params = {
             **flatten(resolved, empty=False),  # as MLflow params (str, cut to its limit)
             **strategy.describe(),
-            **precision.describe(),  # param_dtype
+            **strategy.precision.describe(),  # param_dtype
             record.TORCH_VERSION: torch.__version__,
             record.NUM_PARAMS: sum(p.numel() for p in model.parameters()),
             record.TRAIN_SAMPLES: len(data.train),
@@ -330,7 +325,7 @@ def _run(
         from accelexp.diagnosis import max_batch  # max_batch.search=true: the largest batch
 
         trial = max_batch.Trial(
-            trainer.model, optimizer, precision, strategy, sample_shape, data.num_classes,
+            trainer.model, optimizer, strategy, sample_shape, data.num_classes,
             switches.memory_format,
         )  # fmt: skip
         max_batch.after_training(cfg, trial, tracker)
@@ -449,7 +444,7 @@ class Fit:
                 record.SAMPLES_PER_S_PER_DEVICE: per_device,
                 record.TIMED_STEPS: train.timed_steps,
                 **memory,
-                record.GRAD_SCALE: trainer.precision.grad_scale(),
+                record.GRAD_SCALE: strategy.precision.grad_scale(),
                 record.COMPILE_S: train.compile_seconds,
                 record.ELAPSED_S: elapsed,
                 **self.diagnosis.epoch(
@@ -458,7 +453,7 @@ class Fit:
             }
             self.tracker.log_metrics(metrics, step=epoch)
             self.log_slices(epoch)
-            check_diverged(train, epoch, trainer.precision, lr)
+            check_diverged(train, epoch, strategy.precision, lr)
             progress.epoch, progress.elapsed_s = epoch, elapsed
             if val_acc > progress.best_val_acc:
                 progress.best_val_acc = val_acc
@@ -518,7 +513,7 @@ class Fit:
             model=model,
             optimizer=optimizer,
             scheduler=trainer.scheduler,
-            scaler=trainer.precision.state_dict(),
+            scaler=strategy.precision.state_dict(),
             progress=progress,
             rng=rng,
             run_id=self.tracker.run_id,

@@ -29,7 +29,6 @@ from accelexp.models import build_model
 from accelexp.parallel.base import Strategy
 from accelexp.parallel.model import parse_devices
 from accelexp.parallel.pipeline import Pipeline, split_layers
-from accelexp.precision import Precision
 from accelexp.step import train_step
 
 
@@ -88,12 +87,11 @@ def main() -> None:
         splits[f"chunks={chunks}"] = str(points)
 
     strategy = Strategy(OmegaConf.create({}), device="cpu")  # one replica: no sync, no wrapping
-    precision = Precision("fp32", devices[0])
 
     def train(model: nn.Module) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         for _ in range(args.steps):
-            train_step(model, images, labels, optimizer, precision, strategy)
+            train_step(model, images, labels, optimizer, strategy)
         for device in set(devices):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

@@ -74,7 +74,6 @@ from accelexp.engine import Trainer  # noqa: E402
 from accelexp.models import build_model  # noqa: E402
 from accelexp.parallel.base import Strategy  # noqa: E402
 from accelexp.parallel.pipeline import Pipeline, split_layers  # noqa: E402
-from accelexp.precision import Precision  # noqa: E402
 from accelexp.speed import set_tf32  # noqa: E402
 
 SMALL_RUN = (
@@ -193,10 +192,14 @@ def check_grad_scaler_overflow(device: torch.device) -> str:
     from torch.optim.lr_scheduler import LambdaLR
 
     torch.manual_seed(0)
-    strategy = Strategy(OmegaConf.create({"accumulate_steps": 1}), device=device.type)
-    strategy.setup()
     init_scale, note = 2.0**10, ""
-    precision = Precision("amp", strategy.device, init_scale=init_scale, growth_interval=1000)
+    strategy = Strategy(
+        OmegaConf.create({"accumulate_steps": 1}),
+        device=device.type,
+        precision={"name": "amp", "init_scale": init_scale, "growth_interval": 1000},
+    )
+    strategy.setup()
+    precision = strategy.precision
     if precision.scaler is None:  # a CPU: amp is bf16 autocast there, without a scaler
         precision.scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1000)
         note = " (CPU: this check set a GradScaler('cpu') on Precision; runs use none there)"
@@ -209,7 +212,7 @@ def check_grad_scaler_overflow(device: torch.device) -> str:
     sampler = strategy.train_sampler(len(data), 0)
     loader = BatchLoader(data, 16, sampler, strategy.device, (0.5,) * 3, (0.25,) * 3, max_batches=1)
     scheduler = LambdaLR(optimizer, lambda _: 1.0)
-    trainer = Trainer(model, optimizer, scheduler, precision, strategy, 1, progress=False)
+    trainer = Trainer(model, optimizer, scheduler, strategy, 1, progress=False)
     poisoned = []
 
     def inject_inf(grad: torch.Tensor) -> torch.Tensor:

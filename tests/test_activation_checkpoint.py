@@ -57,9 +57,9 @@ def gradients_and_buffers(model, images, labels):
 
 def peak_mb(cfg, model, images) -> float:
     """A steady step's peak of live tensors (MiB): the optimizer's state made by a step before."""
-    strategy, precision = connect(cfg)
+    strategy = connect(cfg)
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.optimizer.lr)
-    trial = Trial(model, optimizer, precision, strategy, images.shape[1:], 10)
+    trial = Trial(model, optimizer, strategy, images.shape[1:], 10)
     trial.step(images.shape[0])
     optimizer.zero_grad()
     return step_memory(trial, images.shape[0])[STEP_PEAK_MB]

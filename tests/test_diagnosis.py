@@ -331,13 +331,13 @@ def test_a_memory_bound_model_with_blocks_is_offered_activation_checkpointing(co
 
 def test_out_of_memory_offers_activation_checkpointing_to_a_model_with_blocks(compose_cfg):
     cfg = compose_cfg("model=vit_tiny", "device=cpu")
-    strategy, precision = connect(cfg)
+    strategy = connect(cfg)
     error = RuntimeError("DefaultCPUAllocator: can't allocate memory")
     for checkpointable, in_effect, offered in [
         (False, "none", False), (True, "none", True), (True, "full", False),
     ]:  # fmt: skip
         diagnosis = RunDiagnosis(
-            strategy, precision, cfg, None, {"speed.activation_checkpointing": in_effect},
+            strategy, cfg, None, {"speed.activation_checkpointing": in_effect},
             convolutional=False, checkpointable=checkpointable,
         )  # fmt: skip
         message = str(diagnosis.out_of_memory(error, epoch=1))
@@ -422,8 +422,8 @@ def test_the_measured_path_from_recorded_samples(compose_cfg, monkeypatch):
     """What RunDiagnosis makes of each epoch's contention figures: the epoch that left the
     fewest cores idle decides. Figures recorded on this 2-core machine (machine.py)."""
     cfg = compose_cfg("threads=1")
-    strategy, precision = connect(cfg)
-    diagnosis = RunDiagnosis(strategy, precision, cfg, flops_per_sample=None)
+    strategy = connect(cfg)
+    diagnosis = RunDiagnosis(strategy, cfg, flops_per_sample=None)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the run's, as train.run sets
     quiet = NoiseSample(2.0, 0.99, 0.03, 2, 0.0, 1.1, 1.1, job_cores=1.01)
     diagnosis.noise = [quiet, replace(quiet, others_cores=0.3)]

@@ -67,13 +67,13 @@ def test_fsdp_compiles_each_layer_before_sharding_it(compose_cfg):
     """speed.compile under fsdp: each layer with parameters is a compiled module with FSDP's
     hooks outside it; the outputs and gradients are the eager model's, and the state dict (what
     best.pt holds) keeps the plain model's names."""
-    strategy, precision = connect(compose_cfg(*FSDP, "parallelism.nprocs=1", "model.dropout=0"))
+    strategy = connect(compose_cfg(*FSDP, "parallelism.nprocs=1", "model.dropout=0"))
     try:
         torch.manual_seed(0)
         reference = nn.Sequential(
             nn.Conv2d(3, 8, 3), nn.ReLU(), ConvBlock(8), nn.Flatten(), nn.Linear(8 * 4 * 4, 10)
         )
-        sharded = strategy.wrap_model(copy.deepcopy(reference), precision, compile_mode="default")
+        sharded = strategy.wrap_model(copy.deepcopy(reference), compile_mode="default")
         compiled = [m for m in sharded.modules() if "forward" in vars(m)]  # compiled forwards
         assert len(compiled) == 3 and strategy.describe()["fsdp_compiled_layers"] == 3
         x = torch.randn(6, 3, 8, 8)
@@ -119,10 +119,10 @@ def test_fsdp_computes_in_the_precisions_dtype_over_fp32_master_weights(compose_
     """precision=bf16: FSDP casts each unit's gathered weights to bf16 for forward and backward;
     the shards it keeps (what the optimizer steps) and the reduced gradients stay fp32."""
     # a world of one, in this process
-    strategy, precision = connect(compose_cfg(*FSDP, "parallelism.nprocs=1", "precision=bf16"))
+    strategy = connect(compose_cfg(*FSDP, "parallelism.nprocs=1", "precision=bf16"))
     try:
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
-        model = strategy.wrap_model(model, precision)
+        model = strategy.wrap_model(model)
         out = model(torch.randn(4, 8))
         assert out.dtype == torch.bfloat16
         out.float().sum().backward()
@@ -154,7 +154,7 @@ def test_fsdp_keeps_batchnorm_in_fp32_under_mixed_precision(granularity, compose
     like the convolutions', batch_norm refuses them: "expected scalar type BFloat16 but found
     Float"), so outputs, gradients and running statistics match the unsharded model's."""
     overrides = (*FSDP, "parallelism.nprocs=1", "precision=bf16")
-    strategy, precision = connect(compose_cfg(*overrides, f"parallelism.granularity={granularity}"))
+    strategy = connect(compose_cfg(*overrides, f"parallelism.granularity={granularity}"))
     try:
         torch.manual_seed(0)
         reference = nn.Sequential(
@@ -162,7 +162,7 @@ def test_fsdp_keeps_batchnorm_in_fp32_under_mixed_precision(granularity, compose
             ConvBlock(8),
             nn.Flatten(), nn.Linear(8 * 4 * 4, 10), nn.BatchNorm1d(10),
         )  # fmt: skip
-        sharded = strategy.wrap_model(copy.deepcopy(reference), precision)
+        sharded = strategy.wrap_model(copy.deepcopy(reference))
         x = torch.randn(6, 3, 8, 8)
         outputs = []
         for model in (reference, sharded):

@@ -311,11 +311,11 @@ def test_the_plot_has_a_panel_per_model_and_a_style_per_parallelism() -> None:
 def test_no_search_is_asked_by_default_and_a_cpu_never_searches(tracking_uri: str) -> None:
     cfg = compose_config(tracking_uri)
     assert cfg.max_batch.search is False
-    strategy, precision = connect(compose_config(tracking_uri, "device=cpu"))
+    strategy = connect(compose_config(tracking_uri, "device=cpu"))
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     tracker = Tracker(cfg.mlflow, enabled=False)
-    trial = Trial(model, optimizer, precision, strategy, (4,), 2)
+    trial = Trial(model, optimizer, strategy, (4,), 2)
     assert after_training(cfg, trial, tracker) is None
     found = search(trial, start=8, limit=1024)
     assert found == not_searched_on(torch.device("cpu"))
@@ -324,12 +324,12 @@ def test_no_search_is_asked_by_default_and_a_cpu_never_searches(tracking_uri: st
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the search runs on a CUDA GPU")
 def test_on_a_gpu_the_batch_doubles_until_it_runs_out_of_memory(tracking_uri: str) -> None:
-    strategy, precision = connect(compose_config(tracking_uri, "device=cuda", "precision=amp"))
+    strategy = connect(compose_config(tracking_uri, "device=cuda", "precision=amp"))
     sample = (3, 224, 224)  # 0.6 MB an image: the inputs alone fill any GPU within 20 doublings
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 224 * 224, 10)).to(strategy.device)
     optimizer = torch.optim.AdamW(model.parameters())
 
-    trial = Trial(model, optimizer, precision, strategy, sample, 10)
+    trial = Trial(model, optimizer, strategy, sample, 10)
     capped = search(trial, start=64, limit=256)
     assert capped.batch_size == 256 and "stopped at max_batch.limit=256" in capped.how
 

@@ -66,10 +66,10 @@ def test_ddp_fp16_compression_sends_the_gradients_as_fp16(hook, compressed, comp
     when the comm hook compresses: DDP allreduces through its hook in a world of one process too.
     (Horovod skips its allreduce in a world of one, so its compression shows in two workers only.)
     """
-    strategy, precision = connect(compose_cfg("parallelism=ddp", f"parallelism.comm_hook={hook}"))
+    strategy = connect(compose_cfg("parallelism=ddp", f"parallelism.comm_hook={hook}"))
     try:
         torch.manual_seed(0)
-        model = strategy.wrap_model(torch.nn.Linear(64, 8), precision)
+        model = strategy.wrap_model(torch.nn.Linear(64, 8))
         model(torch.randn(16, 64)).square().mean().backward()
         grads = [p.grad for p in model.parameters()]
         as_fp16 = [torch.equal(g, g.half().float()) for g in grads]

@@ -192,11 +192,11 @@ def test_a_compiled_run_reports_its_compile_time_apart_from_its_throughput(compo
 
 def test_model_parallel_compiles_each_stage_and_keeps_the_outputs(compose_cfg):
     cfg = compose_cfg("parallelism=model", "parallelism.stages=2", "model.dropout=0")
-    strategy, precision = connect(cfg)
+    strategy = connect(cfg)
     torch.manual_seed(0)
     model = build_model(cfg.model, 3, 10, 16)
     expected = model.eval()(torch.ones(4, 3, 16, 16))
-    wrapped = strategy.wrap_model(model, precision, compile_mode="default").eval()
+    wrapped = strategy.wrap_model(model, compile_mode="default").eval()
     assert all(stage._compiled_call_impl is not None for stage in strategy.pipeline.stages)
     assert wrapped._compiled_call_impl is None  # the clock loop between stages stays eager
     torch.testing.assert_close(wrapped(torch.ones(4, 3, 16, 16)), expected)
@@ -245,7 +245,6 @@ def linear_trainer(batches: int, warmup_steps: int = 0):
     from accelexp.data import BatchLoader, ImageSet
     from accelexp.engine import Trainer
     from accelexp.parallel.base import Strategy
-    from accelexp.precision import Precision
 
     torch.manual_seed(0)
     n = 8 * batches
@@ -256,8 +255,7 @@ def linear_trainer(batches: int, warmup_steps: int = 0):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     strategy = Strategy(OmegaConf.create({"accumulate_steps": 1}))  # one device, alone
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    precision = Precision("fp32", CPU)
-    trainer = Trainer(model, optimizer, scheduler, precision, strategy, progress=False,
+    trainer = Trainer(model, optimizer, scheduler, strategy, progress=False,
                       warmup_steps=warmup_steps)  # fmt: skip
     return trainer, loader
 
@@ -287,7 +285,7 @@ def test_an_overflowing_step_is_skipped_the_scale_halves_and_training_goes_on():
     for fp16 on CUDA (`scripts/gpu_check.py` checks it there); here the precision is given a
     real CPU GradScaler, so the same loop, strategy and scaler code runs."""
     trainer, loader = linear_trainer(batches=4)
-    model, optimizer, precision = trainer.model, trainer.optimizer, trainer.precision
+    model, optimizer, precision = trainer.model, trainer.optimizer, trainer.strategy.precision
     precision.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
 
     backward_passes, snapshots, stepped = [0], [], []

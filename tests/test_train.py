@@ -76,19 +76,17 @@ def test_bf16_true_trains_bf16_weights_and_optimizer_state(compose_cfg):
     BatchNorm's fp32), the batch is cast to bf16, nothing is autocast or scaled, and a few
     steps on one batch bring its loss down."""
     cfg = compose_cfg("precision=bf16_true", "model=resnet18", "optimizer=adamw")
-    strategy, precision = connect(cfg)
+    strategy = connect(cfg)
+    precision = strategy.precision
     assert (precision.param_dtype, precision.compute_dtype) == (torch.bfloat16, torch.bfloat16)
     assert precision.autocast_dtype is None and precision.scaler is None
     assert precision.effective_name == "bf16_true"
     torch.manual_seed(0)
-    model = strategy.wrap_model(build_model(cfg.model, 3, 10, 16), precision)
+    model = strategy.wrap_model(build_model(cfg.model, 3, 10, 16))
     optimizer = build_optimizer(cfg.optimizer, model.parameters(), 1e-3)
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
     assert precision.cast_inputs(images).dtype == torch.bfloat16
-    losses = [
-        train_step(model, images, labels, optimizer, precision, strategy)[0].item()
-        for _ in range(4)
-    ]
+    losses = [train_step(model, images, labels, optimizer, strategy)[0].item() for _ in range(4)]
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses
     norms = {
         id(p) for m in model.modules() if isinstance(m, nn.BatchNorm2d) for p in m.parameters()

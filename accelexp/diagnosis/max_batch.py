@@ -39,7 +39,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from accelexp.diagnosis.run import is_out_of_memory
 from accelexp.parallel.base import Strategy
-from accelexp.precision import Precision
 from accelexp.record import MAX_BATCH, STEP_PEAK_MB, step_peak_kind_mb
 from accelexp.step import train_step
 from accelexp.tracking import Tracker
@@ -67,7 +66,6 @@ class Trial:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    precision: Precision
     strategy: Strategy
     sample_shape: Sequence[int]
     num_classes: int
@@ -91,11 +89,11 @@ class Trial:
         return fits
 
     def step(self, batch: int) -> None:
-        device, strategy, precision = self.strategy.device, self.strategy, self.precision
+        device, strategy = self.strategy.device, self.strategy
         images = torch.randn(batch, *self.sample_shape, device=device)
         images = images.contiguous(memory_format=self.memory_format)
         labels = torch.randint(self.num_classes, (batch,), device=device)
-        train_step(self.model, images, labels, self.optimizer, precision, strategy)
+        train_step(self.model, images, labels, self.optimizer, strategy)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # an asynchronous failure surfaces inside the trial
 

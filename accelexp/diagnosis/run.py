@@ -28,7 +28,6 @@ from accelexp.diagnosis.verdict import RunFacts, Verdict, diagnose, memory_advic
 from accelexp.errors import AccelexpError
 from accelexp.machine import Machine, visible_gpus
 from accelexp.parallel.base import Strategy
-from accelexp.precision import Precision
 from accelexp.timing import Breakdown
 from accelexp.tracking import Tracker
 
@@ -43,7 +42,6 @@ class RunDiagnosis:
     def __init__(
         self,
         strategy: Strategy,
-        precision: Precision,
         cfg: DictConfig,
         flops_per_sample: float | None,
         in_effect: Mapping[str, str] | None = None,
@@ -55,8 +53,8 @@ class RunDiagnosis:
         bf16 for amp on a CPU, is the precision's own), `convolutional`: whether the model has
         2-D convolutions, `checkpointable`: whether it has blocks activation checkpointing can
         checkpoint; the advice is drawn for them."""
-        self.strategy, self.precision = strategy, precision
-        self.in_effect = {**(in_effect or {}), "precision": precision.effective_name}
+        self.strategy, self.precision = strategy, strategy.precision
+        self.in_effect = {**(in_effect or {}), "precision": self.precision.effective_name}
         self.cfg, self.convolutional = cfg, convolutional
         self.checkpointable = checkpointable
         self.batch_size, self.flops_per_sample = cfg.data.batch_size, flops_per_sample

@@ -15,11 +15,10 @@ option of `conf/parallelism/` is a preset of a pair, and its other keys belong t
 | hybrid  | stages over devices                       | ddp or horovod: its choice       |
 
 `composition(cfg)` loads the classes the two keys name; `build_strategy(cfg)` composes them into
-the `base.Strategy` the loop talks to; `connect(cfg)` sets it up and resolves the run's
-`Precision` with it, once. A pair its preset does not offer is refused by the strategy's rules
-(`rules.problems`). The modules are imported lazily, so torch.distributed and Horovod load only
-in the runs that use them, and this table is read without torch (the config checks and the
-report order by it).
+the `base.Strategy` the loop talks to, which owns the run's `Precision`; `connect(cfg)` sets it
+up. A pair its preset does not offer is refused by the strategy's rules (`rules.problems`). The
+modules are imported lazily, so torch.distributed and Horovod load only in the runs that use
+them, and this table is read without torch (the config checks and the report order by it).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from accelexp.errors import ConfigError
 
 if TYPE_CHECKING:
     from accelexp.parallel.base import Placement, Strategy, Sync
-    from accelexp.precision import Precision
 
 PLACEMENTS = {
     "one device": "accelexp.parallel.base:Placement",
@@ -102,7 +100,7 @@ def run_label(cfg: DictConfig) -> dict[str, str]:
 
 
 def build_strategy(cfg: DictConfig) -> Strategy:
-    """The strategy of the whole run config `cfg`, not yet set up."""
+    """The strategy of the whole run config `cfg`, with its precision, not yet set up."""
     from accelexp.parallel.base import Strategy
 
     placement, sync = composition(cfg.parallelism)
@@ -111,16 +109,15 @@ def build_strategy(cfg: DictConfig) -> Strategy:
         cfg.device,
         placement=placement(cfg.parallelism, cfg.device),
         sync=sync(cfg.parallelism),
+        precision=cfg.precision,
     )
 
 
-def connect(cfg: DictConfig) -> tuple[Strategy, Precision]:
-    """The run's strategy, set up (its world joined, its devices chosen), and its `Precision`,
-    built on the device the strategy chose: the one place the two are resolved, together, as
-    Lightning Fabric's connector pairs a strategy with its precision. The strategy then gets the
-    object (`Strategy.wrap_model`, `optimizer_step`), never the option's name."""
-    from accelexp.precision import Precision
-
+def connect(cfg: DictConfig) -> Strategy:
+    """The run's strategy, set up (its world joined, its devices chosen), its `Precision`
+    built on the device it chose (`Strategy.precision`): the one place the two are paired, as
+    Lightning Fabric's connector pairs a strategy with its precision. The loop, the step and
+    the diagnosis get the strategy, and its precision from it, never the option's name."""
     strategy = build_strategy(cfg)
     strategy.setup()
-    return strategy, Precision.from_config(cfg.precision, strategy.device)
+    return strategy

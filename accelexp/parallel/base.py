@@ -19,10 +19,12 @@ its `sync`, and never asks which strategy is running.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import resource
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -277,7 +279,9 @@ class Sync:
 
 
 class Strategy:
-    """A placement × a sync, as the training loop sees it. `Strategy(cfg)`: one device, alone."""
+    """A placement × a sync, as the training loop sees it, and the run's `precision` (the
+    `precision` config group's option, fp32 when none is given). `Strategy(cfg)`: one device,
+    alone, in fp32."""
 
     name = "single"
 
@@ -287,8 +291,10 @@ class Strategy:
         device: str = "auto",
         placement: Placement | None = None,
         sync: Sync | None = None,
+        precision: Mapping[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
+        self._precision_cfg = precision or {"name": "fp32"}
         self.placement = placement or Placement(cfg, device)
         self.sync = sync or Sync(cfg)
         self.name = cfg.get("name", self.name)
@@ -305,9 +311,17 @@ class Strategy:
         devices = self.placement.choose_devices(world.local_rank)
         self.shape = WorldShape.build(world, devices, shards=self.sync.shards)
         self.device = devices[0]
+        self.__dict__.pop("precision", None)  # built again on the device chosen
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.sync.start(self.device, self.shape)
+
+    @functools.cached_property
+    def precision(self) -> Precision:
+        """The run's precision, built once on the device `setup` chose (the CPU before it): the
+        strategy owns it, as Lightning Fabric's strategy owns its precision plugin, and hands it
+        to its parts (the model's wrap, the optimizer step); the loop reads it here."""
+        return Precision.from_config(self._precision_cfg, self.device)
 
     def teardown(self) -> None:
         self.sync.leave()
@@ -351,16 +365,15 @@ class Strategy:
     def wrap_model(
         self,
         model: nn.Module,
-        precision: Precision,
         input_shape: Sequence[int] | None = None,
         compile_mode: str | None = None,
     ) -> nn.Module:
-        """The model made ready for its `precision` (`Precision.prepare_model`: bf16_true's
-        converted to bf16, fp8's linear layers to float8), placed, wrapped and, with a
-        `compile_mode`, compiled (`torch.compile`)."""
-        model = precision.prepare_model(model)
+        """The model made ready for the strategy's `precision` (`Precision.prepare_model`:
+        bf16_true's converted to bf16, fp8's linear layers to float8), placed, wrapped and, with
+        a `compile_mode`, compiled (`torch.compile`)."""
+        model = self.precision.prepare_model(model)
         placed = self.placement.place(self.sync.prepare(model), input_shape)
-        self.model = self.sync.wrap(placed, precision, compile_mode)
+        self.model = self.sync.wrap(placed, self.precision, compile_mode)
         if compile_mode and not self.sync.compiles_units:
             self.model = self.placement.compile(self.model, compile_mode)
         return self.model
@@ -402,8 +415,9 @@ class Strategy:
         self.optimizer = self.sync.wrap_optimizer(optimizer, model, self.accumulate_steps)
         return self.optimizer
 
-    def optimizer_step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
-        self.sync.optimizer_step(optimizer, precision)
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's step through the sync, with the precision's loss scaling."""
+        self.sync.optimizer_step(optimizer, self.precision)
 
     def backward_context(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
         """Where a backward pass runs; `sync=False` for the micro-batches that only accumulate."""
