@@ -1,5 +1,5 @@
 """Structured-config schema: every key of every config group, with its type, default, help and
-what it affects (`accelexp.config.keys`).
+what it affects (`accelexp.keys`).
 
 Each YAML option in `conf/<group>/` names its schema in its defaults list
 (`- /schema/<group>/<name>@_here_`), so Hydra rejects unknown keys and wrong types while
@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from accelexp import objective
-from accelexp.config.keys import Affects, key, like, option_name, section
+from accelexp.keys import Affects, key, like, option_name, section
 
 RESULTS, SPEED, NOTHING = Affects.RESULTS, Affects.SPEED, Affects.NOTHING
 

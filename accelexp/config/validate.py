@@ -28,9 +28,9 @@ from omegaconf.errors import OmegaConfBaseException
 
 from accelexp import objective
 from accelexp.config.catalog import flatten, options_declaring
-from accelexp.config.keys import choices_of
 from accelexp.config.schema import SCHEMAS, Config
 from accelexp.errors import ConfigError
+from accelexp.keys import choices_of
 from accelexp.parallel import rules as strategy_rules
 
 PRECISIONS = ("fp32", "amp", "bf16", "bf16_true", "fp8")  # conf/precision (accelexp.precision)

@@ -1,11 +1,13 @@
 """How a config key is declared: its default, a one-line help, and what it affects.
 
-Every field of the schema (`accelexp.config.schema`) is a `key(...)` (a section of keys, a
-`section(...)`): the help is what `python run.py --help` shows beside the key, and `affects`
-decides the key's place in a run's identity (`accelexp.config.identity`): whether a resumed run
-may differ in it (`config_hash`) and whether the report's like-for-like comparison ignores it.
+Every field of the schema (`accelexp.config.schema`, and the `parallelism` group's dataclasses,
+`accelexp.parallel.config`) is a `key(...)` (a section of keys, a `section(...)`): the help is
+what `python run.py --help` shows beside the key, and `affects` decides the key's place in a
+run's identity (`accelexp.config.identity`): whether a resumed run may differ in it
+(`config_hash`) and whether the report's like-for-like comparison ignores it.
 
-Imports nothing of accelexp, nor anything heavy.
+Imports nothing of accelexp, nor anything heavy: `accelexp.config` and `accelexp.parallel` both
+declare keys with it, and `config` asks `parallel` (so it is neither's).
 """
 
 from __future__ import annotations
