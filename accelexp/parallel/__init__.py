@@ -20,6 +20,9 @@ the `base.Strategy` the loop talks to; `connect(cfg)` sets it up and resolves th
 (`rules.problems`). The modules are imported lazily, so torch.distributed and Horovod load only
 in the runs that use them, and this table is read without torch (the config checks and the
 report order by it).
+
+Each preset's keys are a dataclass of `config.py` (`Preset.schema`), which the config's schema
+registers for Hydra: this package owns the `parallelism` config group whole.
 """
 
 from __future__ import annotations
@@ -30,6 +33,15 @@ from typing import TYPE_CHECKING, NamedTuple
 from omegaconf import DictConfig
 
 from accelexp.errors import ConfigError
+from accelexp.parallel.config import (
+    DataParallelConfig,
+    DDPConfig,
+    FSDPConfig,
+    HorovodConfig,
+    HybridConfig,
+    ModelParallelConfig,
+    ParallelismConfig,
+)
 
 if TYPE_CHECKING:
     from accelexp.parallel.base import Placement, Strategy, Sync
@@ -49,23 +61,32 @@ SYNCS = {
 
 
 class Preset(NamedTuple):
-    """An option of `conf/parallelism/`: its placement, and the syncs it offers (the first is
-    its default; more than one: `parallelism.sync` chooses)."""
+    """An option of `conf/parallelism/`: its placement, the syncs it offers (the first is its
+    default; more than one: `parallelism.sync` chooses), and its keys (`schema`, a dataclass of
+    `config.py`, which Hydra checks the option against)."""
 
     placement: str
     syncs: tuple[str, ...]
+    schema: type
 
 
 # parallelism.name -> its preset, in the order the report lists runs by
 STRATEGIES: dict[str, Preset] = {
-    "single": Preset("one device", ("none",)),
-    "dp": Preset("dataparallel", ("none",)),
-    "ddp": Preset("one device", ("ddp",)),
-    "horovod": Preset("one device", ("horovod",)),
-    "fsdp": Preset("one device", ("fsdp",)),
-    "model": Preset("stages", ("none",)),
-    "hybrid": Preset("stages", ("ddp", "horovod")),
+    "single": Preset("one device", ("none",), ParallelismConfig),
+    "dp": Preset("dataparallel", ("none",), DataParallelConfig),
+    "ddp": Preset("one device", ("ddp",), DDPConfig),
+    "horovod": Preset("one device", ("horovod",), HorovodConfig),
+    "fsdp": Preset("one device", ("fsdp",), FSDPConfig),
+    "model": Preset("stages", ("none",), ModelParallelConfig),
+    "hybrid": Preset("stages", ("ddp", "horovod"), HybridConfig),
 }
+# each preset's schema is its own: its name, and its placement and (first) sync as defaults
+assert {
+    name: (preset.schema.name, preset.schema.placement, preset.schema.sync)
+    for name, preset in STRATEGIES.items()
+} == {name: (name, preset.placement, preset.syncs[0]) for name, preset in STRATEGIES.items()}, (
+    "parallelism schemas != STRATEGIES"
+)
 
 
 def _load(path: str) -> type:
