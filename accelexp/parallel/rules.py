@@ -66,9 +66,10 @@ def problems(cfg: DictConfig) -> list[str]:
 
 
 def resource_problems(cfg: DictConfig, gpus: int) -> list[str]:
-    """What the strategy of `cfg` needs of a machine with `gpus` usable GPUs and lacks."""
+    """What the strategy of `cfg` needs of a machine with `gpus` usable GPUs and lacks: its
+    process group's backend, then its sync's needs."""
     needs = SYNC_RESOURCE_PROBLEMS.get(cfg.parallelism.sync, lambda cfg, gpus: [])
-    return needs(cfg, gpus)
+    return _backend_resource_problems(cfg, gpus) + needs(cfg, gpus)
 
 
 def several_workers() -> list[str]:
@@ -158,6 +159,16 @@ def _fsdp_problems(cfg: DictConfig) -> list[str]:
             "memory addresses, and FSDP frees and re-gathers the weights every step. Use "
             "speed.compile=default or max-autotune with fsdp (each block compiled before it is "
             "sharded), or parallelism=ddp for CUDA graphs."
+        ]
+    return []
+
+
+def _backend_resource_problems(cfg: DictConfig, gpus: int) -> list[str]:
+    """NCCL without a GPU, wherever the preset has torch.distributed's `backend` key."""
+    if cfg.parallelism.get("backend") == "nccl" and not gpus:
+        return [
+            "  parallelism.backend=nccl needs CUDA GPUs, and this run has none (device="
+            f"{cfg.device}): use parallelism.backend=gloo or auto."
         ]
     return []
 
