@@ -62,12 +62,21 @@ SYNCS = {
 
 class Preset(NamedTuple):
     """An option of `conf/parallelism/`: its placement, the syncs it offers (the first is its
-    default; more than one: `parallelism.sync` chooses), and its keys (`schema`, a dataclass of
-    `config.py`, which Hydra checks the option against)."""
+    default; more than one: `parallelism.sync` chooses), its keys (`schema`, a dataclass of
+    `config.py`, which Hydra checks the option against), and, for a preset whose sync shards the
+    training state (parameters, gradients, optimizer state) over its workers, the preset that
+    replicates it on each instead, otherwise alike (`unsharded`: the memory report weighs the
+    one against the other)."""
 
     placement: str
     syncs: tuple[str, ...]
     schema: type
+    unsharded: str | None = None
+
+    @property
+    def shards(self) -> bool:
+        """Its workers each hold a shard of the training state, not a whole copy."""
+        return self.unsharded is not None
 
 
 # parallelism.name -> its preset, in the order the report lists runs by
@@ -76,10 +85,14 @@ STRATEGIES: dict[str, Preset] = {
     "dp": Preset("dataparallel", ("none",), DataParallelConfig),
     "ddp": Preset("one device", ("ddp",), DDPConfig),
     "horovod": Preset("one device", ("horovod",), HorovodConfig),
-    "fsdp": Preset("one device", ("fsdp",), FSDPConfig),
+    "fsdp": Preset("one device", ("fsdp",), FSDPConfig, unsharded="ddp"),
     "model": Preset("stages", ("none",), ModelParallelConfig),
     "hybrid": Preset("stages", ("ddp", "horovod"), HybridConfig),
 }
+# a preset and the one it shards the training state of are otherwise alike: same placement
+assert all(
+    STRATEGIES[p.unsharded].placement == p.placement for p in STRATEGIES.values() if p.shards
+), "a sharding preset's unsharded preset has another placement"
 # each preset's schema is its own: its name, and its placement and (first) sync as defaults
 assert {
     name: (preset.schema.name, preset.schema.placement, preset.schema.sync)
@@ -87,6 +100,13 @@ assert {
 } == {name: (name, preset.placement, preset.syncs[0]) for name, preset in STRATEGIES.items()}, (
     "parallelism schemas != STRATEGIES"
 )
+
+
+def shards(name: str) -> bool:
+    """Whether the preset `name` (a run's `parallelism`) shards the training state over its
+    workers; False for a name no preset has (an old run's)."""
+    preset = STRATEGIES.get(name)
+    return preset is not None and preset.shards
 
 
 def _load(path: str) -> type:
