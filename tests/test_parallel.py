@@ -302,6 +302,19 @@ def test_the_table_says_which_strategies_start_workers(compose_cfg, name):
     assert (sync.launcher is not None) == (name in several_workers())
 
 
+@pytest.mark.parametrize("name", list(parallel.STRATEGIES))
+def test_the_table_says_which_strategies_shard(compose_cfg, name):
+    """`Preset.shards` (the memory report's levers, read without torch) agrees with the classes:
+    a preset shards exactly when each of its syncs does, and its `unsharded` twin does not."""
+    preset = parallel.STRATEGIES[name]
+    for sync_name in preset.syncs:
+        cfg = compose_cfg(f"parallelism={name}", f"parallelism.sync={sync_name}")
+        assert parallel.composition(cfg.parallelism)[1].shards == preset.shards
+    if preset.shards:
+        twin = compose_cfg(f"parallelism={preset.unsharded}").parallelism
+        assert not parallel.composition(twin)[1].shards
+
+
 def test_dp_on_a_cpu_runs_the_plain_module(compose_cfg, tmp_path, caplog):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: DataParallel would wrap the model")

@@ -1,7 +1,7 @@
 """Configuration: the structured schema (`schema`, its keys declared with their help and what
-they affect: `keys`) registered for Hydra (`store`), the checks Hydra cannot do (`validate`, and
-`resources` for this machine), a run's identity (`identity`: the keys it leaves out), what
-`conf/` offers (`catalog`) and the `--help` built from it (`help`)."""
+they affect: `accelexp.keys`) registered for Hydra (`store`), the checks Hydra cannot do
+(`validate`, and `resources` for this machine), a run's identity (`identity`: the keys it leaves
+out), what `conf/` offers (`catalog`) and the `--help` built from it (`help`)."""
 
 from accelexp.config.schema import Config
 from accelexp.config.store import register_configs

@@ -20,8 +20,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from accelexp.config.keys import helps
 from accelexp.config.schema import SCHEMAS
+from accelexp.keys import helps
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 # composed and validated, never offered to users: test hooks, and what the sweeper sets per job

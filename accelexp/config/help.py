@@ -4,7 +4,7 @@
 Hydra resolves it when it prints the help, with the config this command line composes: the text
 is built from the config files (`catalog`) and that config, never written by hand, so it lists
 every option there is, and this command line's choices (marked `*`) with the values it would run
-with and each key's help (the schema's, `accelexp.config.keys`), as are the top-level keys. Test
+with and each key's help (the schema's, `accelexp.keys`), as are the top-level keys. Test
 hooks (`debug.*`) are left out.
 """
 
@@ -17,8 +17,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from accelexp.config.catalog import HIDDEN_KEYS, Option, flatten, options, primary_groups
-from accelexp.config.keys import helps
 from accelexp.config.schema import Config
+from accelexp.keys import helps
 
 WIDTH = 100
 ALIGNED = 24  # a longer KEY=VALUE has its help two spaces after it, out of the helps' column

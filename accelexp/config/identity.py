@@ -3,7 +3,7 @@
 up by the hash), what a verdict's advice is drawn for (`setting_id`), and which keys the report's
 like-for-like comparisons ignore (`ignored_for_speed`).
 
-Both follow from what each key of the schema says it affects (`accelexp.config.keys`):
+Both follow from what each key of the schema says it affects (`accelexp.keys`):
 - results and speed (the default): part of the training, compared;
 - results only (`seed`, `data.root`, `device`...): part of the training, not compared — the same
   speed with other numbers, or an input named differently (`auto`: the device used is compared,
@@ -21,8 +21,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from accelexp.config.keys import Affects, affects
 from accelexp.config.schema import SCHEMAS, Config
+from accelexp.keys import Affects, affects
 from accelexp.record import DERIVED_PARAMS, REPEAT_INDEX
 
 

@@ -2,9 +2,10 @@
 
 `check_resources(cfg, workers)`: cores for the workers, their threads and loader processes
 (unless `parallelism.oversubscribe=true`), memory for the data and the model, a full batch in
-every worker's share of the training set, GPUs for a NCCL backend, fp8 tensor cores for
-`precision=fp8` (a CUDA GPU of compute capability >= 8.9: `accelexp.precision.fp8_problem`), and
-what the strategy needs of the machine (`accelexp.parallel.rules.resource_problems`).
+every worker's share of the training set, what the strategy needs of the machine (GPUs for a
+NCCL backend, for FSDP's offloading: `accelexp.parallel.rules.resource_problems`), and fp8
+tensor cores for `precision=fp8` (a CUDA GPU of compute capability >= 8.9:
+`accelexp.precision.fp8_problem`).
 """
 
 from __future__ import annotations
@@ -32,13 +33,8 @@ def check_resources(cfg: DictConfig, workers: int = 1) -> None:
         *_shard_problems(cfg, workers),
         *_memory_problems(cfg, workers, on_cpu=not gpus),
     ]
-    if cfg.parallelism.get("backend") == "nccl" and not gpus:
-        problems.append(
-            "  parallelism.backend=nccl needs CUDA GPUs, and this run has none (device="
-            f"{cfg.device}): use parallelism.backend=gloo or auto."
-        )
-    problems += _precision_problems(cfg, gpus)
     problems += strategy_rules.resource_problems(cfg, gpus)
+    problems += _precision_problems(cfg, gpus)
     if problems:
         raise ConfigError("Cannot run this configuration here:\n" + "\n".join(problems))
 

@@ -6,15 +6,6 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 
 from accelexp.config.schema import SCHEMAS, Config
-from accelexp.parallel import STRATEGIES
-
-# one schema per preset of the strategy table, and no other, each with the preset's placement
-# and (first) sync as its defaults
-assert {
-    name: (schema.placement, schema.sync) for name, schema in SCHEMAS["parallelism"].items()
-} == {name: (preset.placement, preset.syncs[0]) for name, preset in STRATEGIES.items()}, (
-    "parallelism schemas != STRATEGIES"
-)
 
 
 def register_configs() -> None:

@@ -7,10 +7,10 @@ with `+` that nothing reads are problems too; one that other options of its grou
 (`+data.num_train` with data=fashion_mnist) is named with them, one that was renamed
 (`RENAMED_KEYS`) with its new name.
 
-The choices of a string key of a fixed set are the schema's (`key(..., choices=...)`); what a
-strategy refuses (its keys' choices, the combinations it cannot run) is the strategy's own, asked
-of `accelexp.parallel.rules`. What this machine can hold is checked apart, in
-`resources.py`.
+The choices of a string key of a fixed set are the schema's (`key(..., choices=...)`), the common
+ranges `accelexp.keys`'s; the `parallelism` group's ranges and what a strategy refuses (the
+combinations it cannot run) are the strategy's own, asked of `accelexp.parallel.rules`
+(`KEY_RULES`, `problems`). What this machine can hold is checked apart, in `resources.py`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from itertools import pairwise
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlparse
 
@@ -28,13 +27,23 @@ from omegaconf.errors import OmegaConfBaseException
 
 from accelexp import objective
 from accelexp.config.catalog import flatten, options_declaring
-from accelexp.config.keys import choices_of
 from accelexp.config.schema import SCHEMAS, Config
 from accelexp.errors import ConfigError
+from accelexp.keys import (
+    AT_LEAST_ONE,
+    AUTO_OR_BOOL,
+    FRACTION,
+    NON_NEGATIVE,
+    OPTIONAL_AT_LEAST_ONE,
+    POSITIVE,
+    Rule,
+    declared_choices,
+    either,
+    one_of,
+)
 from accelexp.parallel import rules as strategy_rules
 
 PRECISIONS = ("fp32", "amp", "bf16", "bf16_true", "fp8")  # conf/precision (accelexp.precision)
-FLOAT32_MAX = 3.4028234663852886e38  # an lr or a scale beyond it overflows torch's float32 math
 SEED_MAX = 2**32 - 1  # numpy's seeding takes [0, 2**32 - 1]
 INT32_MAX = 2**31 - 1
 # old spelling -> new: refused with the new one (`renamed_key`)
@@ -63,121 +72,79 @@ def _tracking_store(uri: str) -> bool:
 
 
 def _declared_choices(key: str) -> tuple[str, ...]:
-    """The choices the schema declares for `key` (`device`, `speed.compile`, `parallelism.op`):
-    the same in every option of a group that has the key."""
-    group, _, name = key.rpartition(".")
+    """The choices the schema declares for `key` (`device`, `speed.compile`): the same in every
+    option of a group that has the key."""
+    group = key.rpartition(".")[0]
     if group in SCHEMAS:
         schemas = list(SCHEMAS[group].values())
     else:  # a top-level key, or a section's
         schemas = [Config.__dataclass_fields__[group].default_factory if group else Config]
-    found = {
-        choices_of(f) for schema in schemas for f in dataclasses.fields(schema) if f.name == name
-    }
-    assert len(found) == 1 and () not in found, f"{key}: the schema declares choices {found}"
-    return found.pop()
-
-
-Rule = tuple[str, Callable[[Any], bool], str]
+    return declared_choices(key, schemas)
 
 
 def _one_of(key: str) -> Rule:
     """`key` takes one of its declared choices: "expected one of a, b, c"."""
-    choices = _declared_choices(key)
-    return key, lambda v: v in choices, f"one of {', '.join(choices)}"
+    return one_of(key, _declared_choices(key))
 
 
 def _either(key: str) -> Rule:
     """`key` takes one of its declared choices: "expected a, b or c"."""
-    choices = _declared_choices(key)
-    return key, lambda v: v in choices, " or ".join([", ".join(choices[:-1]), choices[-1]])
+    return either(key, _declared_choices(key))
 
 
 def _rules() -> list[Rule]:
-    positive = (lambda v: 0 < v <= FLOAT32_MAX, "a number > 0 (and at most 3.4e38)")
-    non_negative = (lambda v: 0 <= v <= FLOAT32_MAX, "a number >= 0 (and at most 3.4e38)")
-    at_least_one = (lambda v: v >= 1, "an integer >= 1")
-    optional_at_least_one = (lambda v: v is None or v >= 1, "null or an integer >= 1")
-    fraction = (lambda v: 0 <= v < 1, "a number in [0, 1)")
-    auto_or_bool = (lambda v: v == "auto" or isinstance(v, bool), "auto, true or false")
     return [
         ("seed", lambda v: 0 <= v <= SEED_MAX, f"an integer in [0, {SEED_MAX}]"),
-        ("repeats", *at_least_one),
+        ("repeats", *AT_LEAST_ONE),
         _either("repeat_seed"),
         ("repeat_index", lambda v: v >= 0, "an integer >= 0 (set by the sweeper)"),
         _one_of("compare"),
         ("precision_target", lambda v: v is None or 0 < v < 1, "null or a number in (0, 1)"),
         ("max_repeats", lambda v: v >= 2, "an integer >= 2"),
         _one_of("lockstep.process"),
-        ("lockstep.slice_steps", *at_least_one),
+        ("lockstep.slice_steps", *AT_LEAST_ONE),
         ("lockstep.slice_s", lambda v: v is None or v > 0, "null or a number of seconds > 0"),
         ("lockstep.warmup_rounds", lambda v: v >= 0, "an integer >= 0"),
-        ("lockstep.epochs_per_process", *optional_at_least_one),
+        ("lockstep.epochs_per_process", *OPTIONAL_AT_LEAST_ONE),
         ("lockstep.turn_timeout_s", lambda v: v > 0, "a number of seconds > 0"),
         ("objective", objective.valid, objective.ALLOWED),
-        ("epochs", *at_least_one),
-        ("max_steps_per_epoch", *optional_at_least_one),
+        ("epochs", *AT_LEAST_ONE),
+        ("max_steps_per_epoch", *OPTIONAL_AT_LEAST_ONE),
         ("target_accuracy", lambda v: v is None or 0 < v <= 1, "null or a number in (0, 1]"),
         _one_of("device"),
-        ("threads", *optional_at_least_one),
-        ("log_every_n_steps", *at_least_one),
-        ("data.batch_size", *at_least_one),
-        ("data.eval_batch_size", *at_least_one),
-        ("data.num_workers", *non_negative),
-        ("data.val_fraction", *fraction),
-        ("data.on_device", *auto_or_bool),
-        ("data.num_train", *at_least_one),
-        ("data.num_test", *at_least_one),
+        ("threads", *OPTIONAL_AT_LEAST_ONE),
+        ("log_every_n_steps", *AT_LEAST_ONE),
+        ("data.batch_size", *AT_LEAST_ONE),
+        ("data.eval_batch_size", *AT_LEAST_ONE),
+        ("data.num_workers", *NON_NEGATIVE),
+        ("data.val_fraction", *FRACTION),
+        ("data.on_device", *AUTO_OR_BOOL),
+        ("data.num_train", *AT_LEAST_ONE),
+        ("data.num_test", *AT_LEAST_ONE),
         ("data.image_size", lambda v: v >= 8, "an integer >= 8"),
-        ("data.channels", *at_least_one),
+        ("data.channels", *AT_LEAST_ONE),
         ("data.num_classes", lambda v: v >= 2, "an integer >= 2"),
         ("precision.name", lambda v: v in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
-        ("precision.init_scale", *positive),
+        ("precision.init_scale", *POSITIVE),
         (
             "precision.growth_interval",
             lambda v: 1 <= v <= INT32_MAX,
             f"an integer in [1, {INT32_MAX}]",
         ),
-        ("parallelism.nprocs", *at_least_one),
-        ("parallelism.accumulate_steps", *at_least_one),
-        _either("parallelism.lr_scaling"),
-        _either("parallelism.backend"),
-        ("parallelism.bucket_cap_mb", *positive),
-        _either("parallelism.comm_hook"),
-        _either("parallelism.compression"),
-        _either("parallelism.op"),
-        (
-            "parallelism.master_port",
-            lambda v: v is None or 1 <= v <= 65535,
-            "null or a port 1-65535",
-        ),
-        (
-            "parallelism.devices",
-            lambda v: v is None or (len(v) >= 1 and all(isinstance(d, str) or d >= 0 for d in v)),
-            "null or a non-empty list of devices",
-        ),
-        ("parallelism.stages", *optional_at_least_one),
-        ("parallelism.chunks", *at_least_one),
-        _either("parallelism.balance"),
-        (
-            "parallelism.split_points",
-            lambda v: v is None or (all(b > a for a, b in pairwise(v)) and min(v, default=1) > 0),
-            "null or strictly increasing layer indices >= 1, e.g. [4, 9]",
-        ),
-        *strategy_rules.key_rules(),
-        ("parallelism.devices_per_replica", *at_least_one),
-        ("debug.raise_at_step", *at_least_one),
+        *strategy_rules.KEY_RULES,  # the parallelism group's: its owner's
+        ("debug.raise_at_step", *AT_LEAST_ONE),
         ("debug.input_delay_ms", lambda v: v >= 0, "a number of milliseconds >= 0"),
-        ("debug.raise_oom_at_step", *optional_at_least_one),
-        ("profiler.epoch", *at_least_one),
+        ("debug.raise_oom_at_step", *OPTIONAL_AT_LEAST_ONE),
+        ("profiler.epoch", *AT_LEAST_ONE),
         ("profiler.wait", lambda v: v >= 0, "an integer >= 0"),
         ("profiler.warmup", lambda v: v >= 0, "an integer >= 0"),
-        ("profiler.active", *at_least_one),
-        ("max_batch.limit", *at_least_one),
+        ("profiler.active", *AT_LEAST_ONE),
+        ("max_batch.limit", *AT_LEAST_ONE),
         ("max_batch.device_mem_gb", lambda v: v is None or v > 0, "null or a number of GiB > 0"),
-        ("autotune.budget_s", *positive),
+        ("autotune.budget_s", *POSITIVE),
         ("autotune.max_trials", lambda v: v >= 2, "an integer >= 2 (the base and a candidate)"),
         ("autotune.accuracy_tolerance", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
-        ("speed.channels_last", *auto_or_bool),
+        ("speed.channels_last", *AUTO_OR_BOOL),
         _one_of("speed.compile"),
         _one_of("speed.optimizer_impl"),
         _one_of("speed.activation_checkpointing"),
@@ -201,36 +168,36 @@ def _rules() -> list[Rule]:
             "null (next to the store) or a folder or URI of the schemes "
             f"{', '.join(s for s in ARTIFACT_SCHEMES if s)}",
         ),
-        ("optimizer.lr", *positive),
-        ("optimizer.weight_decay", *non_negative),
-        ("optimizer.momentum", *fraction),
-        ("optimizer.eps", *positive),
+        ("optimizer.lr", *POSITIVE),
+        ("optimizer.weight_decay", *NON_NEGATIVE),
+        ("optimizer.momentum", *FRACTION),
+        ("optimizer.eps", *POSITIVE),
         (
             "optimizer.betas",
             lambda v: len(v) == 2 and all(0 <= b < 1 for b in v),
             "two numbers in [0, 1)",
         ),
         ("model.channels", lambda v: len(v) == 2 and all(c >= 1 for c in v), "two integers >= 1"),
-        ("model.hidden", *at_least_one),
+        ("model.hidden", *AT_LEAST_ONE),
         ("model.widths", lambda v: len(v) >= 1 and all(w >= 1 for w in v), "integers >= 1"),
-        ("model.dropout", *fraction),
+        ("model.dropout", *FRACTION),
         (
             "model.patch_size",
             lambda v: v in (None, "auto") or (type(v) is int and v >= 1),
             "auto or an integer >= 1 that divides the image size",
         ),
-        ("model.dim", *at_least_one),
-        ("model.depth", *at_least_one),
-        ("model.heads", *at_least_one),
-        ("model.mlp_ratio", *positive),
-        ("scheduler.warmup_epochs", *non_negative),
+        ("model.dim", *AT_LEAST_ONE),
+        ("model.depth", *AT_LEAST_ONE),
+        ("model.heads", *AT_LEAST_ONE),
+        ("model.mlp_ratio", *POSITIVE),
+        ("scheduler.warmup_epochs", *NON_NEGATIVE),
         ("scheduler.warmup_start_factor", lambda v: 0 < v <= 1, "a number in (0, 1]"),
-        ("scheduler.step_size", *at_least_one),
+        ("scheduler.step_size", *AT_LEAST_ONE),
         ("scheduler.gamma", lambda v: 0 < v <= 1, "a number in (0, 1]"),
         ("scheduler.min_lr_factor", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
         ("scheduler.pct_start", lambda v: 0 < v < 1, "a number in (0, 1)"),
-        ("scheduler.div_factor", *positive),
-        ("scheduler.final_div_factor", *positive),
+        ("scheduler.div_factor", *POSITIVE),
+        ("scheduler.final_div_factor", *POSITIVE),
     ]
 
 

@@ -227,7 +227,7 @@ def usable(
 
 def settings_of(cfg: DictConfig, in_effect: Mapping[str, str]) -> dict[str, str]:
     """Every key of the run's config as override text (`precision.init_scale` -> "65536.0"),
-    each config group by its option's name (`parallelism` -> "fsdp"), then `in_effect`."""
+    each config group by its option's name (`model` -> "simple_cnn"), then `in_effect`."""
     tree = OmegaConf.to_container(cfg, resolve=True)
     settings = {key: _text(value) for key, value in flatten(tree).items()}
     for group, node in tree.items():

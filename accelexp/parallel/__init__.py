@@ -19,6 +19,9 @@ the `base.Strategy` the loop talks to, which owns the run's `Precision`; `connec
 up. A pair its preset does not offer is refused by the strategy's rules (`rules.problems`). The
 modules are imported lazily, so torch.distributed and Horovod load only in the runs that use
 them, and this table is read without torch (the config checks and the report order by it).
+
+Each preset's keys are a dataclass of `config.py` (`Preset.schema`), which the config's schema
+registers for Hydra: this package owns the `parallelism` config group whole.
 """
 
 from __future__ import annotations
@@ -29,6 +32,15 @@ from typing import TYPE_CHECKING, NamedTuple
 from omegaconf import DictConfig
 
 from accelexp.errors import ConfigError
+from accelexp.parallel.config import (
+    DataParallelConfig,
+    DDPConfig,
+    FSDPConfig,
+    HorovodConfig,
+    HybridConfig,
+    ModelParallelConfig,
+    ParallelismConfig,
+)
 
 if TYPE_CHECKING:
     from accelexp.parallel.base import Placement, Strategy, Sync
@@ -47,23 +59,52 @@ SYNCS = {
 
 
 class Preset(NamedTuple):
-    """An option of `conf/parallelism/`: its placement, and the syncs it offers (the first is
-    its default; more than one: `parallelism.sync` chooses)."""
+    """An option of `conf/parallelism/`: its placement, the syncs it offers (the first is its
+    default; more than one: `parallelism.sync` chooses), its keys (`schema`, a dataclass of
+    `config.py`, which Hydra checks the option against), and, for a preset whose sync shards the
+    training state (parameters, gradients, optimizer state) over its workers, the preset that
+    replicates it on each instead, otherwise alike (`unsharded`: the memory report weighs the
+    one against the other)."""
 
     placement: str
     syncs: tuple[str, ...]
+    schema: type
+    unsharded: str | None = None
+
+    @property
+    def shards(self) -> bool:
+        """Its workers each hold a shard of the training state, not a whole copy."""
+        return self.unsharded is not None
 
 
 # parallelism.name -> its preset, in the order the report lists runs by
 STRATEGIES: dict[str, Preset] = {
-    "single": Preset("one device", ("none",)),
-    "dp": Preset("dataparallel", ("none",)),
-    "ddp": Preset("one device", ("ddp",)),
-    "horovod": Preset("one device", ("horovod",)),
-    "fsdp": Preset("one device", ("fsdp",)),
-    "model": Preset("stages", ("none",)),
-    "hybrid": Preset("stages", ("ddp", "horovod")),
+    "single": Preset("one device", ("none",), ParallelismConfig),
+    "dp": Preset("dataparallel", ("none",), DataParallelConfig),
+    "ddp": Preset("one device", ("ddp",), DDPConfig),
+    "horovod": Preset("one device", ("horovod",), HorovodConfig),
+    "fsdp": Preset("one device", ("fsdp",), FSDPConfig, unsharded="ddp"),
+    "model": Preset("stages", ("none",), ModelParallelConfig),
+    "hybrid": Preset("stages", ("ddp", "horovod"), HybridConfig),
 }
+# a preset and the one it shards the training state of are otherwise alike: same placement
+assert all(
+    STRATEGIES[p.unsharded].placement == p.placement for p in STRATEGIES.values() if p.shards
+), "a sharding preset's unsharded preset has another placement"
+# each preset's schema is its own: its name, and its placement and (first) sync as defaults
+assert {
+    name: (preset.schema.name, preset.schema.placement, preset.schema.sync)
+    for name, preset in STRATEGIES.items()
+} == {name: (name, preset.placement, preset.syncs[0]) for name, preset in STRATEGIES.items()}, (
+    "parallelism schemas != STRATEGIES"
+)
+
+
+def shards(name: str) -> bool:
+    """Whether the preset `name` (a run's `parallelism`) shards the training state over its
+    workers; False for a name no preset has (an old run's)."""
+    preset = STRATEGIES.get(name)
+    return preset is not None and preset.shards
 
 
 def _load(path: str) -> type:

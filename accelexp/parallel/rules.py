@@ -6,8 +6,8 @@ names a strategy or its rules. Keyed by the table's names (`accelexp.parallel.PL
 `SYNCS`), not by the classes: those load torch, and the config checks and `--help` run without
 it.
 
-- `key_rules()`: (key, ok, allowed) for the keys a strategy adds to `parallelism`, as
-  `validate`'s range rules are written.
+- `KEY_RULES`: (key, ok, allowed) for every key of `parallelism` (its dataclasses: `config.py`),
+  as `validate`'s range rules are written, in the common words of `accelexp.keys`.
 - `problems(cfg)`: combinations of the whole run config `cfg` the strategy cannot run: a
   placement or sync its preset does not offer (naming the preset that does), else its
   placement's, then its sync's.
@@ -17,10 +17,18 @@ it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from itertools import pairwise
 
 from omegaconf import DictConfig
 
+from accelexp.keys import (
+    AT_LEAST_ONE,
+    OPTIONAL_AT_LEAST_ONE,
+    POSITIVE,
+    Rule,
+    declared_choices,
+    either,
+)
 from accelexp.parallel import PLACEMENTS, STRATEGIES, SYNCS
 
 GRANULARITIES = ("block", "model")  # fsdp's units: one per block of the layer sequence | one
@@ -47,16 +55,6 @@ UNPAIRED = {
 }
 
 
-def key_rules() -> list[tuple[str, Callable[[Any], bool], str]]:
-    """The names of the two parts, and fsdp's `granularity`. A part its preset does not offer
-    passes here: `problems` names the preset that does."""
-    return [
-        ("parallelism.placement", lambda v: v in PLACEMENTS, _either(PLACEMENTS)),
-        ("parallelism.sync", lambda v: v in SYNCS, _either(SYNCS)),
-        ("parallelism.granularity", lambda v: v in GRANULARITIES, " or ".join(GRANULARITIES)),
-    ]
-
-
 def problems(cfg: DictConfig) -> list[str]:
     """What the strategy of the run config `cfg` refuses of it, one indented line each."""
     parallelism = cfg.parallelism
@@ -68,9 +66,10 @@ def problems(cfg: DictConfig) -> list[str]:
 
 
 def resource_problems(cfg: DictConfig, gpus: int) -> list[str]:
-    """What the strategy of `cfg` needs of a machine with `gpus` usable GPUs and lacks."""
+    """What the strategy of `cfg` needs of a machine with `gpus` usable GPUs and lacks: its
+    process group's backend, then its sync's needs."""
     needs = SYNC_RESOURCE_PROBLEMS.get(cfg.parallelism.sync, lambda cfg, gpus: [])
-    return needs(cfg, gpus)
+    return _backend_resource_problems(cfg, gpus) + needs(cfg, gpus)
 
 
 def several_workers() -> list[str]:
@@ -164,6 +163,16 @@ def _fsdp_problems(cfg: DictConfig) -> list[str]:
     return []
 
 
+def _backend_resource_problems(cfg: DictConfig, gpus: int) -> list[str]:
+    """NCCL without a GPU, wherever the preset has torch.distributed's `backend` key."""
+    if cfg.parallelism.get("backend") == "nccl" and not gpus:
+        return [
+            "  parallelism.backend=nccl needs CUDA GPUs, and this run has none (device="
+            f"{cfg.device}): use parallelism.backend=gloo or auto."
+        ]
+    return []
+
+
 def _fsdp_resource_problems(cfg: DictConfig, gpus: int) -> list[str]:
     if cfg.parallelism.get("cpu_offload") and not gpus:
         return [
@@ -178,3 +187,43 @@ SYNC_PROBLEMS: dict[str, Callable[[DictConfig], list[str]]] = {"fsdp": _fsdp_pro
 SYNC_RESOURCE_PROBLEMS: dict[str, Callable[[DictConfig, int], list[str]]] = {
     "fsdp": _fsdp_resource_problems,
 }
+
+
+def _declared(name: str) -> Rule:
+    """`parallelism.{name}` takes one of the choices its presets' schemas declare: "expected
+    a, b or c"."""
+    key = f"parallelism.{name}"
+    return either(key, declared_choices(key, [preset.schema for preset in STRATEGIES.values()]))
+
+
+# the range of every key of the `parallelism` group, in the order validation lists problems in
+# (`accelexp.config.validate` reads it). A part its preset does not offer passes here:
+# `problems` names the preset that does.
+KEY_RULES: list[Rule] = [
+    ("parallelism.nprocs", *AT_LEAST_ONE),
+    ("parallelism.accumulate_steps", *AT_LEAST_ONE),
+    _declared("lr_scaling"),
+    _declared("backend"),
+    ("parallelism.bucket_cap_mb", *POSITIVE),
+    _declared("comm_hook"),
+    _declared("compression"),
+    _declared("op"),
+    ("parallelism.master_port", lambda v: v is None or 1 <= v <= 65535, "null or a port 1-65535"),
+    (
+        "parallelism.devices",
+        lambda v: v is None or (len(v) >= 1 and all(isinstance(d, str) or d >= 0 for d in v)),
+        "null or a non-empty list of devices",
+    ),
+    ("parallelism.stages", *OPTIONAL_AT_LEAST_ONE),
+    ("parallelism.chunks", *AT_LEAST_ONE),
+    _declared("balance"),
+    (
+        "parallelism.split_points",
+        lambda v: v is None or (all(b > a for a, b in pairwise(v)) and min(v, default=1) > 0),
+        "null or strictly increasing layer indices >= 1, e.g. [4, 9]",
+    ),
+    ("parallelism.placement", lambda v: v in PLACEMENTS, _either(PLACEMENTS)),
+    ("parallelism.sync", lambda v: v in SYNCS, _either(SYNCS)),
+    ("parallelism.granularity", lambda v: v in GRANULARITIES, " or ".join(GRANULARITIES)),
+    ("parallelism.devices_per_replica", *AT_LEAST_ONE),
+]

@@ -39,6 +39,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from accelexp.parallel import STRATEGIES, shards
 from accelexp.record import (
     ACTIVATION_CHECKPOINTING,
     DATA,
@@ -272,19 +273,29 @@ def _checkpointing_lever(mode: str) -> Lever:
 
 # the levers a memory report weighs, in its order; activation checkpointing's per mode it has
 # (`accelexp.speed.SpeedSwitches.checkpointing`), added by `levers` as the runs have them
-LEVERS = (
-    Lever(  # parameters, gradients and optimizer state sharded; the same workers
-        "fsdp vs ddp",
-        lambda row, record: row.parallelism == "fsdp" and not _offloaded(record),
-        lambda row, _: row.parallelism == "ddp",
+def _sharding_lever(sharded: str, unsharded: str) -> Lever:
+    """Parameters, gradients and optimizer state sharded (preset `sharded`, its shards on the
+    device) against replicated (`unsharded`, the strategy table's twin); the same workers."""
+    return Lever(
+        f"{sharded} vs {unsharded}",
+        lambda row, record: row.parallelism == sharded and not _offloaded(record),
+        lambda row, _: row.parallelism == unsharded,
         # the option and its sync; every key only one of them has (fsdp's granularity,
         # ddp's buckets) is not compared
         re.compile(r"parallelism(\.(name|sync))?"),
+    )
+
+
+LEVERS = (
+    *(
+        _sharding_lever(name, preset.unsharded)
+        for name, preset in STRATEGIES.items()
+        if preset.unsharded is not None
     ),
-    Lever(
+    Lever(  # a sharding preset's shards in host memory, against on the device
         "cpu_offload vs none",
-        lambda row, record: row.parallelism == "fsdp" and _offloaded(record),
-        lambda row, record: row.parallelism == "fsdp" and not _offloaded(record),
+        lambda row, record: shards(row.parallelism) and _offloaded(record),
+        lambda row, record: shards(row.parallelism) and not _offloaded(record),
         re.compile(r"parallelism\.cpu_offload"),
     ),
 )

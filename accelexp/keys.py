@@ -1,17 +1,25 @@
 """How a config key is declared: its default, a one-line help, and what it affects.
 
-Every field of the schema (`accelexp.config.schema`) is a `key(...)` (a section of keys, a
-`section(...)`): the help is what `python run.py --help` shows beside the key, and `affects`
-decides the key's place in a run's identity (`accelexp.config.identity`): whether a resumed run
-may differ in it (`config_hash`) and whether the report's like-for-like comparison ignores it.
+Every field of the schema (`accelexp.config.schema`, and the `parallelism` group's dataclasses,
+`accelexp.parallel.config`) is a `key(...)` (a section of keys, a `section(...)`): the help is
+what `python run.py --help` shows beside the key, and `affects` decides the key's place in a
+run's identity (`accelexp.config.identity`): whether a resumed run may differ in it
+(`config_hash`) and whether the report's like-for-like comparison ignores it.
 
-Imports nothing of accelexp, nor anything heavy.
+What a key's value may be, as `accelexp.config.validate` checks it, is a `Range` (a test, and
+what is allowed, said the way the validator's "expected ..." ends): the common ones are here, so
+each group's owner (`accelexp.parallel.rules` for `parallelism`) writes its keys' ranges in the
+same words.
+
+Imports nothing of accelexp, nor anything heavy: `accelexp.config` and `accelexp.parallel` both
+declare keys with it, and `config` asks `parallel` (so it is neither's).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
@@ -95,3 +103,37 @@ def helps(schema: type, prefix: str = "") -> dict[str, str]:
         if isinstance(keys, type) and dataclasses.is_dataclass(keys):
             found |= helps(keys, f"{prefix}{declared.name}.")
     return found
+
+
+# --- what a key's value may be ------------------------------------------------------------------
+
+Range = tuple[Callable[[Any], bool], str]  # (ok, allowed): "expected {allowed}" when not ok
+Rule = tuple[str, Callable[[Any], bool], str]  # a key's Range: (dotted key, ok, allowed)
+FLOAT32_MAX = 3.4028234663852886e38  # an lr or a scale beyond it overflows torch's float32 math
+POSITIVE: Range = (lambda v: 0 < v <= FLOAT32_MAX, "a number > 0 (and at most 3.4e38)")
+NON_NEGATIVE: Range = (lambda v: 0 <= v <= FLOAT32_MAX, "a number >= 0 (and at most 3.4e38)")
+AT_LEAST_ONE: Range = (lambda v: v >= 1, "an integer >= 1")
+OPTIONAL_AT_LEAST_ONE: Range = (lambda v: v is None or v >= 1, "null or an integer >= 1")
+FRACTION: Range = (lambda v: 0 <= v < 1, "a number in [0, 1)")
+AUTO_OR_BOOL: Range = (lambda v: v == "auto" or isinstance(v, bool), "auto, true or false")
+
+
+def declared_choices(key: str, schemas: Iterable[type]) -> tuple[str, ...]:
+    """The choices `schemas` (the options of `key`'s group, or its section) declare for `key`
+    (`device`, `speed.compile`, `parallelism.op`): the same in every one that has it."""
+    name = key.rpartition(".")[2]
+    found = {
+        choices_of(f) for schema in schemas for f in dataclasses.fields(schema) if f.name == name
+    }
+    assert len(found) == 1 and () not in found, f"{key}: the schema declares choices {found}"
+    return found.pop()
+
+
+def one_of(key: str, choices: tuple[str, ...]) -> Rule:
+    """`key` takes one of `choices`: "expected one of a, b, c"."""
+    return key, lambda v: v in choices, f"one of {', '.join(choices)}"
+
+
+def either(key: str, choices: tuple[str, ...]) -> Rule:
+    """`key` takes one of `choices`: "expected a, b or c"."""
+    return key, lambda v: v in choices, " or ".join([", ".join(choices[:-1]), choices[-1]])
