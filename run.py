@@ -42,13 +42,9 @@ def main(cfg: DictConfig) -> float | list[float] | None:
     from accelexp.parallel import run_label
     from accelexp.parallel.world import current_world
     from accelexp.tracking.credentials import PasswordInUriError
-    from accelexp.tracking.runs import (
-        RUN_ID_FILE,
-        StoreFullError,
-        close_run,
-        record_failure,
-        run_tags,
-    )
+    from accelexp.tracking.life import RUN_ID_FILE, close_run, record_failure
+    from accelexp.tracking.names import run_tags
+    from accelexp.tracking.store import StoreFullError
 
     hydra_cfg = HydraConfig.get()
     output_dir = hydra_cfg.runtime.output_dir
@@ -107,7 +103,7 @@ def main(cfg: DictConfig) -> float | list[float] | None:
 def _resume_hint(error: Exception, output_dir: str) -> str:
     """For a store that stopped taking writes mid-run: how to continue, where a checkpoint is."""
     from accelexp.checkpoint import LAST
-    from accelexp.tracking.runs import TrackingUnavailableError
+    from accelexp.tracking.store import TrackingUnavailableError
 
     last = Path(output_dir) / "checkpoints" / LAST
     if not isinstance(error, TrackingUnavailableError) or not last.is_file():

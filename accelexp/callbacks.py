@@ -75,7 +75,7 @@ class MlflowSweep(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from accelexp import objective
         from accelexp.config.validate import check_sweep_objective
-        from accelexp.tracking.runs import start_sweep, sweep_environment
+        from accelexp.tracking.life import start_sweep, sweep_environment
 
         try:
             # user:password@ in the tracking URI: into the environment (the jobs inherit it), out
@@ -113,7 +113,7 @@ class MlflowSweep(Callback):
     def abort(self, status: str) -> None:
         """Close the parent run as `status` (on SIGINT/SIGTERM, or an error between jobs, Hydra
         stops without calling `on_multirun_end`)."""
-        from accelexp.tracking.runs import end_sweep
+        from accelexp.tracking.life import end_sweep
 
         try:
             children, failed, link = end_sweep(self.mlflow_cfg, self.run_id, status)
@@ -125,7 +125,7 @@ class MlflowSweep(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.run_id is None:
             return
-        from accelexp.tracking.runs import SWEEP_REPORT, end_sweep
+        from accelexp.tracking.life import SWEEP_REPORT, end_sweep
 
         report_dir = Path(config.hydra.sweep.dir) / "report"
         report = None  # the parent run's page when there is no report to open

@@ -70,7 +70,9 @@ class Job:
         log.error("Job %d: %s", self.number, error if ours else traceback.format_exc())
         if cfg is not None:
             from accelexp.parallel import run_label
-            from accelexp.tracking.runs import StoreFullError, record_failure, run_tags
+            from accelexp.tracking.life import record_failure
+            from accelexp.tracking.names import run_tags
+            from accelexp.tracking.store import StoreFullError
 
             if not isinstance(error, StoreFullError):
                 tags = run_tags(cfg, cfg.parallelism.nprocs, self.overrides)

@@ -6,7 +6,7 @@ not close, a worker that failed, an error Hydra reports itself, a bug); `EXIT_BA
 128 + the signal on SIGINT/SIGTERM (130/143, `accelexp.signals`). `exit_code` maps an error that
 ends `python run.py` to its code; `exit_now` ends a process with its code (run.py, a worker).
 
-Statuses (MLflow's, `accelexp.tracking.runs`): `status_of` maps how a run's body ended to the
+Statuses (MLflow's, `accelexp.tracking.life`): `status_of` maps how a run's body ended to the
 status it is closed with — FINISHED, KILLED for a signal or a `SystemExit` (submitit's requeue),
 FAILED for any other error.
 

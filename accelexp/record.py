@@ -1,6 +1,6 @@
 """The run record: every metric, param and tag name a run writes to MLflow, spelled once.
 
-Writers (`train`, `diagnosis`, `parallel`, `timing`, `tracking.runs`) and readers (`report`,
+Writers (`train`, `diagnosis`, `parallel`, `timing`, `tracking`) and readers (`report`,
 `tracking.query`) import the names from here. The values are MLflow's keys: changing one splits
 old runs from new ones. Which config keys a run's identity leaves out (`config_hash`, the report's
 like-for-like comparisons) follows from the schema: `accelexp.config.identity`.
@@ -171,9 +171,9 @@ SETTING_ID = "setting_id"
 OUTPUT_DIR = "output_dir"  # the job's folder, where its checkpoints are
 RESUMED_AFTER_EPOCH = "resumed_after_epoch"
 GIT_COMMIT = "git_commit"
-# where the run's process lives (tracking.runs, when the run starts or resumes; a sweep's parent
+# where the run's process lives (tracking.life, when the run starts or resumes; a sweep's parent
 # too): the next command on this host that opens the store marks a run still RUNNING whose
-# process is gone FAILED, with ENDED saying why (tracking.runs.heal_stale_runs)
+# process is gone FAILED, with ENDED saying why (tracking.life.heal_stale_runs)
 HOST = "host"  # the machine's name (platform.node())
 PID = "accelexp.pid"  # the process that tracks the run (a job's rank 0)
 PROCESS_START = "accelexp.process_start"  # when it started, s since the epoch: a reused pid differs

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -45,30 +46,35 @@ def interruption(error: BaseException) -> Interrupted:
     return error if isinstance(error, Interrupted) else Interrupted(signal.SIGINT)
 
 
-_stopping = False
-_ending = False
-_deferring = 0
-_pending: int | None = None
+@dataclass
+class _State:
+    """Where this process is in stopping: what a signal received now does."""
+
+    stopping: bool = False  # `Interrupted` raised: a further signal is logged and ignored
+    ending: bool = False  # recording an error (`ending()`): a signal is logged and ignored
+    deferring: int = 0  # `deferred()` blocks open: a signal waits for the last to end
+    pending: int | None = None  # the signal that waits
+
+
+_state = _State()
 
 
 def _raise_interrupted(signum: int, frame: object) -> None:
-    global _pending
-    if _ending:  # the launcher stopping the survivors of an error this process records
+    if _state.ending:  # the launcher stopping the survivors of an error this process records
         log.debug("%s received while recording an error: ignored.", signal.Signals(signum).name)
         return
-    if _stopping or _pending is not None:
+    if _state.stopping or _state.pending is not None:
         log.warning("%s received while stopping: still stopping.", signal.Signals(signum).name)
         return
-    if _deferring:
-        _pending = signum
+    if _state.deferring:
+        _state.pending = signum
         log.info("%s received: stopping once the write is done.", signal.Signals(signum).name)
         return
     _stop(signum)
 
 
 def _stop(signum: int) -> None:
-    global _stopping
-    _stopping = True
+    _state.stopping = True
     raise Interrupted(signum)
 
 
@@ -76,22 +82,20 @@ def ending() -> None:
     """The process is ending on an error it is recording: from now on a signal (the launcher's
     SIGTERM to the survivors, say) is logged and ignored, as while stopping, so the record is
     made whole and the error stays the cause."""
-    global _ending
-    _ending = True
+    _state.ending = True
 
 
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
     """Run a block that must not be cut half-way; a signal received inside stops the job at its
     end (also when the block fails: the stop wins over the block's own error)."""
-    global _deferring, _pending
-    _deferring += 1
+    _state.deferring += 1
     try:
         yield
     finally:
-        _deferring -= 1
-        if not _deferring and _pending is not None:
-            signum, _pending = _pending, None
+        _state.deferring -= 1
+        if not _state.deferring and _state.pending is not None:
+            signum, _state.pending = _state.pending, None
             _stop(signum)
 
 

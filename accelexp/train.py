@@ -51,7 +51,9 @@ from accelexp.parallel.base import Strategy
 from accelexp.parallel.world import current_world
 from accelexp.speed import SpeedSwitches, has_conv2d
 from accelexp.tracking import Tracker
-from accelexp.tracking.runs import RUN_ID_FILE, run_name, run_tags, significant
+from accelexp.tracking.life import RUN_ID_FILE
+from accelexp.tracking.names import run_name, run_tags
+from accelexp.tracking.runs import significant
 
 log = logging.getLogger(__name__)
 
@@ -347,7 +349,7 @@ def _state_to_resume(
     or the main rank's error, so every rank stops with the same message.
 
     A checkpoint that cannot be read fails its run: the run is this job's (`RUN_ID_FILE`), and
-    closed FAILED with the error (`accelexp.tracking.runs.record_failure`), unless it FINISHED."""
+    closed FAILED with the error (`accelexp.tracking.life.record_failure`), unless it FINISHED."""
     resume_from = state = failure = None
     if strategy.shape.is_main:
         try:

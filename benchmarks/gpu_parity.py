@@ -498,7 +498,7 @@ def measure_accelexp(
     from mlflow import MlflowClient
 
     from accelexp.record import COMPILE_S, DATA_PLACEMENT, SAMPLES_PER_S
-    from accelexp.tracking.runs import RUN_ID_FILE
+    from accelexp.tracking.life import RUN_ID_FILE
 
     uri = f"sqlite:///{store / 'mlflow.db'}"
     run_dir = store / "runs" / tag

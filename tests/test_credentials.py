@@ -25,7 +25,8 @@ from mlflow import MlflowClient
 
 from accelexp.parallel.world import free_port
 from accelexp.tracking import credentials
-from accelexp.tracking.runs import TrackingUnavailableError, check_reachable, where_to_look
+from accelexp.tracking.names import where_to_look
+from accelexp.tracking.store import TrackingUnavailableError, check_reachable
 
 SECRET = "s3cret-XYZ"
 

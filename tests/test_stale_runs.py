@@ -21,14 +21,8 @@ from mlflow.entities import Metric
 from accelexp import processes, record
 from accelexp.report import main
 from accelexp.tracking import Tracker, query
-from accelexp.tracking.runs import (
-    PARENT_RUN_ENV,
-    SWEEP_NAME_ENV,
-    SWEPT_KEYS_ENV,
-    heal_stale_runs,
-    start_sweep,
-    where_it_runs,
-)
+from accelexp.tracking.life import heal_stale_runs, start_sweep
+from accelexp.tracking.names import PARENT_RUN_ENV, SWEEP_NAME_ENV, SWEPT_KEYS_ENV, where_it_runs
 
 HERE = platform.node()
 
@@ -80,7 +74,7 @@ def test_opening_the_store_fails_this_hosts_runs_whose_process_is_gone(
     contained = running(client, experiment, "container", pid=dead_pid, tags=container)
     untagged = running(client, experiment, "before the tags")
 
-    with caplog.at_level(logging.INFO, logger="accelexp.tracking.runs"):
+    with caplog.at_level(logging.INFO, logger="accelexp.tracking.life"):
         Tracker(cfg.mlflow).connect()
 
     assert statuses(client, gone, reused, parent) == ["FAILED"] * 3
@@ -139,7 +133,7 @@ def test_a_store_error_while_healing_is_a_warning(caplog):
         def search_runs(self, *args, **kwargs):
             raise RuntimeError("disk I/O error\nSELECT ...")
 
-    with caplog.at_level(logging.WARNING, logger="accelexp.tracking.runs"):
+    with caplog.at_level(logging.WARNING, logger="accelexp.tracking.life"):
         assert heal_stale_runs(Broken(), ["1"], "run.py") == 0
     assert "Could not look for runs left RUNNING by processes now gone: disk I/O error" in (
         caplog.text

@@ -23,7 +23,8 @@ from accelexp.data import build_data
 from accelexp.engine import Trainer
 from accelexp.models import build_model
 from accelexp.tracking import Tracker
-from accelexp.tracking.runs import MAX_PARAM_VALUE, significant
+from accelexp.tracking.runs import significant
+from accelexp.tracking.store import MAX_PARAM_VALUE
 from accelexp.train import run
 
 EPOCH_METRICS = (
@@ -346,7 +347,7 @@ def test_a_write_waits_out_a_store_locked_by_another_writer(compose_cfg, trackin
 def test_sweep_jobs_are_named_by_what_they_vary_first(compose_cfg, monkeypatch):
     """The MLflow UI cuts names at about 15 characters: a sweep job's name starts with its swept
     values in short, then the rest of the derived name, so each row is told apart."""
-    from accelexp.tracking.runs import SWEPT_KEYS_ENV, run_name
+    from accelexp.tracking.names import SWEPT_KEYS_ENV, run_name
 
     monkeypatch.setenv(SWEPT_KEYS_ENV, "parallelism.nprocs,precision")
     names = {
@@ -380,7 +381,7 @@ def test_sweep_jobs_are_named_by_what_they_vary_first(compose_cfg, monkeypatch):
 def test_a_sweeps_end_links_to_its_report_in_the_ui(compose_cfg, tracking_uri):
     """The route MLflow 3.17's UI opens an artifact by (`.../artifacts/<path>`), short enough
     for one line: `Sweep done: 4 runs, 0 failed. Report: <link>`."""
-    from accelexp.tracking.runs import SWEEP_REPORT, end_sweep, start_sweep
+    from accelexp.tracking.life import SWEEP_REPORT, end_sweep, start_sweep
 
     cfg = compose_cfg()
     run_id = start_sweep(cfg.mlflow, "sweep precision=fp32,amp", {"precision": "fp32,amp"}, "d")
@@ -395,7 +396,7 @@ def test_a_sweeps_end_links_to_its_report_in_the_ui(compose_cfg, tracking_uri):
 def test_a_store_that_stops_taking_writes_is_one_message(compose_cfg, tracking_uri):
     """The store breaks mid-run (here its file is overwritten, as a failing disk would): the
     next write raises one AccelexpError that says what to do, and closing the run only warns."""
-    from accelexp.tracking.runs import TrackingUnavailableError
+    from accelexp.tracking.store import TrackingUnavailableError
 
     tracker = Tracker(compose_cfg().mlflow)
     tracker.connect()

@@ -164,8 +164,8 @@ def _error(estimate: stats.Estimate) -> tuple[float, float]:
 
 def publish(path: AutotunePath, uri: str, out_dir: Path) -> list[Path]:
     """Write the path into `out_dir` and log it to the sweep's parent run; the files written."""
+    from accelexp.tracking.names import PARENT_RUN_ENV
     from accelexp.tracking.query import log_artifacts, set_tags
-    from accelexp.tracking.runs import PARENT_RUN_ENV
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / PATH_TABLE).write_text(table(path))

@@ -290,7 +290,7 @@ def incarnation(
         """A job that died without closing its run (SIGKILL, the OOM killer, a signal while
         its next process started): its run closed as `status`, never left RUNNING."""
         from accelexp.record import FAILED, FINISHED, KILLED
-        from accelexp.tracking.runs import close_run
+        from accelexp.tracking.life import close_run
 
         close_run(config.mlflow, end.output_dir, status, keep=(FINISHED, FAILED, KILLED))
 

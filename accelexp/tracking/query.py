@@ -6,7 +6,7 @@ the user can fix (an unknown experiment or run, an empty selection, a missing st
 `QueryError`s whose message says what exists or what to type instead.
 
 Selecting an experiment's or a sweep's runs first fails that experiment's runs this host left
-RUNNING whose process is gone (`accelexp.tracking.runs.heal_stale_runs`), so the report shows them
+RUNNING whose process is gone (`accelexp.tracking.life.heal_stale_runs`), so the report shows them
 as they ended; a run still RUNNING is one whose process lives, or one of another host.
 """
 
@@ -33,7 +33,8 @@ from accelexp.record import (
     SWEEP_PARENT,
     VAL_ACC,
 )
-from accelexp.tracking.runs import check_reachable, heal_stale_runs, store_lock
+from accelexp.tracking.life import heal_stale_runs
+from accelexp.tracking.store import check_reachable, store_lock
 
 HISTORY_KEYS = (SAMPLES_PER_S, VAL_ACC, ELAPSED_S, PEAK_MEM_MB)  # the report reads each epoch's
 LOCKSTEP_HISTORY_KEYS = (LOCKSTEP_SAMPLES_PER_S, LOCKSTEP_CONTENDED, LOCKSTEP_INCARNATION)

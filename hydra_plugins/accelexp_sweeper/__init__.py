@@ -178,8 +178,8 @@ class AutotuneSweeper(Sweeper):
 
     def _run_jobs(self, batch: list[list[str]]) -> list[Any]:
         """Run `batch` through the launcher; each job's MLflow run (None: it left none)."""
+        from accelexp.tracking.life import RUN_ID_FILE
         from accelexp.tracking.query import run_record
-        from accelexp.tracking.runs import RUN_ID_FILE
 
         assert self.config is not None
         self.validate_batch_is_legal(batch)
