@@ -44,6 +44,9 @@ OPTIMIZATION_RESULTS = "optimization_results.yaml"  # Optuna's sweeper writes it
 # and distributions with what optuna 3 to 5 deprecate (UniformDistribution, TPESampler's
 # consider_prior...): ten FutureWarnings a sweep that nobody running it can act on
 PLUGIN_DEPRECATIONS = r".*has been deprecated in v\d.*removed in v6\."
+# what a sweep's name leaves out: Hydra's own keys and where its runs are recorded; not
+# Affects.NOTHING's keys, which may name a sweep (`sweep repeats=3`, `... compare=lockstep`)
+UNNAMED_IN_SWEEP = ("hydra.", "mlflow.")
 
 
 def sweep_grid(config: DictConfig) -> dict[str, str]:
@@ -60,7 +63,7 @@ def sweep_grid(config: DictConfig) -> dict[str, str]:
 
 def sweep_name(grid: dict[str, str]) -> str:
     """Named by what it sweeps: `sweep parallelism.nprocs=1,2 precision=fp32,amp`."""
-    named = {k: v for k, v in grid.items() if not k.startswith(("hydra.", "mlflow."))}
+    named = {k: v for k, v in grid.items() if not k.startswith(UNNAMED_IN_SWEEP)}
     swept = {k: v for k, v in named.items() if "," in v} or named
     return " ".join(["sweep", *(f"{k}={v}" for k, v in swept.items())])
 

@@ -34,7 +34,9 @@ from omegaconf import DictConfig
 from accelexp.errors import ConfigError
 
 log = logging.getLogger(__name__)
-OWN_KEYS = ("repeats", "repeat_seed", "repeat_index")  # what a sweep may not vary
+# what a sweep may not vary: the sweeper's own keys, how it repeats (not an Affects kind:
+# repeat_index affects results, repeats and repeat_seed nothing, and so do keys a sweep may vary)
+OWN_KEYS = ("repeats", "repeat_seed", "repeat_index")
 
 
 def plan(

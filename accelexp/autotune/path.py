@@ -29,6 +29,9 @@ PATH_TABLE = "path.md"
 PATH_JSON = "path.json"
 PATH_PLOT = "path.png"
 ARTIFACTS = "autotune"  # the parent run's folder of them
+# what the line to paste leaves out: the sweep's own keys, which a single run does not take (it
+# refuses repeats=N without -m); not an Affects kind: mlflow.*, progress... stay as typed
+SWEEP_ONLY = frozenset({"experiment", "autotune", *OWN_KEYS})
 
 
 def _speedup(step: Step) -> str:
@@ -50,11 +53,10 @@ def cumulative(path: AutotunePath) -> list[tuple[str, float]]:
 def command(overrides: list[str]) -> str:
     """`python run.py <overrides>` as one run: without the sweep's own keys (the autotune
     experiment, `autotune.*`, `repeats`...), which a single run does not take."""
-    keys = {"experiment", "autotune", *OWN_KEYS}
     kept = [
         o
         for o in overrides
-        if key_of(o).split(".")[0] not in keys and not key_of(o).startswith("hydra.sweep")
+        if key_of(o).split(".")[0] not in SWEEP_ONLY and not key_of(o).startswith("hydra.sweep")
     ]
     return " ".join(["python run.py", *kept])
 

@@ -25,6 +25,7 @@ from accelexp.keys import helps
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 # composed and validated, never offered to users: test hooks, and what the sweeper sets per job
+# (who may set them, not what they affect: no Affects kind)
 HIDDEN_KEYS = frozenset({"debug", "repeat_index"})
 _SCHEMA_ENTRY = re.compile(r"^/schema/(?P<group>.+)/(?P<name>\w+)@_here_$")
 

@@ -72,6 +72,11 @@ def ignored_for_speed(key: str) -> bool:
     return key in IGNORED_FOR_SPEED or key.partition(".")[0] in IGNORED_FOR_SPEED
 
 
+# what the sweeper sets per repeat of one configuration (`accelexp.sweeper.repeated`: the index,
+# and with repeat_seed=vary the seed); not an Affects kind: other keys affect results only too
+REPEAT_KEYS = frozenset({"seed", REPEAT_INDEX})
+
+
 def training_config(config: Mapping[str, Any]) -> dict[str, Any]:
     """The keys of a resolved config that decide what a run computes (all but `NOT_TRAINING`)."""
     return _without(config, NOT_TRAINING)
@@ -99,11 +104,12 @@ def config_id(resolved: Mapping[str, Any]) -> str:
     and repeat index, with the user's own tags (`mlflow.tags`: an A/A test's two sides, say).
     The report groups a sweep's runs of one `config_id` into one row."""
     training = training_config(resolved)
-    training = {k: v for k, v in training.items() if k not in ("seed", REPEAT_INDEX)}
+    training = {k: v for k, v in training.items() if k not in REPEAT_KEYS}
     return _digest({"training": training, "tags": resolved.get("mlflow", {}).get("tags") or {}})
 
 
 # how long a run trains: a short trial and the full run of one configuration share its advice
+# (not an Affects kind: epochs changes results and speed, target_accuracy results only)
 RUN_LENGTH = frozenset({"epochs", "max_steps_per_epoch", "target_accuracy"})
 
 
@@ -112,7 +118,7 @@ def setting_id(resolved: Mapping[str, Any]) -> str:
     (`threads`, `speed.*`) included, less what only watches it (`mlflow`...), its seed, repeat
     index and length (`RUN_LENGTH`). Autotune's trials of a configuration and its full runs
     share it, so a suggestion measured and rejected there is looked up by it."""
-    left_out = keys_affecting(Affects.NOTHING) | RUN_LENGTH | {"seed", REPEAT_INDEX}
+    left_out = keys_affecting(Affects.NOTHING) | RUN_LENGTH | REPEAT_KEYS
     return _digest(_without(resolved, left_out))
 
 

@@ -61,7 +61,9 @@ ENDS = "ends.json"
 def why_not(configs: list[DictConfig]) -> str:
     """Why these jobs cannot share one process ("" when they can): a job of several workers
     (each a process of its launcher), one that compiles (torch.compile's caches and guards
-    are the process's, not a job's), or jobs that want the heap set unlike (`accelexp.heap`)."""
+    are the process's, not a job's), or jobs that want the heap set unlike (`accelexp.heap`).
+    Keys of process-wide state, not an Affects kind (speed.heap affects speed only, speed.compile
+    results and speed too)."""
     for cfg in configs:
         if cfg.parallelism.nprocs != 1:
             return f"parallelism.nprocs={cfg.parallelism.nprocs} starts workers of its own"
