@@ -16,6 +16,7 @@ from accelexp.config import ConfigError, register_configs, validate
 from accelexp.config.catalog import primary_groups
 from accelexp.config.identity import config_hash, config_id
 from accelexp.config.schema import SCHEMAS, Config
+from accelexp.config.typed import typed
 from accelexp.keys import Affects, affects, choices_of, help_of
 from accelexp.report.compare import comparable_settings
 from accelexp.tracking.query import RunRecord
@@ -230,3 +231,23 @@ def test_the_report_compares_runs_in_what_can_change_their_speed_only():
     assert settings(**base, **ignored) == settings(**base)
     for key, value in {"threads": "2", "profiler.epoch": "2", "data.batch_size": "64"}.items():
         assert settings(**(base | {key: value})) != settings(**base), key
+
+
+@pytest.mark.parametrize(("group", "option"), group_options())
+def test_every_option_is_typed_alike_composed_or_read_back(compose_cfg, group, option, tmp_path):
+    """`typed(cfg)`: the schema's dataclasses, whether `cfg` is as composed (structured) or as a
+    worker reads it back from its resolved file (plain)."""
+    if group in primary_groups():
+        cfg = compose_cfg(f"{group}={option}")
+    else:
+        register_configs()
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=[f"+{group}={option}"])
+    OmegaConf.save(cfg, tmp_path / "config.yaml", resolve=True)
+    read_back = OmegaConf.load(tmp_path / "config.yaml")
+    composed = typed(cfg)
+    assert isinstance(composed, Config)
+    assert composed == typed(read_back)
+    for name in SCHEMAS:
+        part = getattr(composed, name)
+        assert type(part) in SCHEMAS[name].values(), f"{name}: {type(part).__name__}"
