@@ -1,6 +1,6 @@
 """How a config key is declared: its default, a one-line help, and what it affects.
 
-Every field of the schema (`accelexp.config.schema`, and the `parallelism` group's dataclasses,
+Every field of the schema (`accelexp.schema`, and the `parallelism` group's dataclasses,
 `accelexp.parallel.config`) is a `key(...)` (a section of keys, a `section(...)`): the help is
 what `python run.py --help` shows beside the key, and `affects` decides the key's place in a
 run's identity (`accelexp.config.identity`): whether a resumed run may differ in it

@@ -308,7 +308,7 @@ def output_of(result: subprocess.CompletedProcess) -> str:
 
 def speed_cfg(**values: object) -> DictConfig:
     """A `speed` section: the schema's defaults, `values` over them."""
-    from accelexp.config.schema import SpeedConfig
+    from accelexp.schema import SpeedConfig
 
     return OmegaConf.merge(OmegaConf.structured(SpeedConfig), values)
 

@@ -28,7 +28,7 @@ from accelexp.autotune.path import (
     path_figure,
     table,
 )
-from accelexp.config.schema import AutotuneConfig
+from accelexp.schema import AutotuneConfig
 from accelexp.tracking.query import RunRecord
 
 TOLERANCE = 0.01

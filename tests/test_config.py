@@ -15,10 +15,11 @@ from accelexp.checkpoint import check_same_training
 from accelexp.config import ConfigError, register_configs, validate
 from accelexp.config.catalog import primary_groups
 from accelexp.config.identity import config_hash, config_id
-from accelexp.config.schema import SCHEMAS, Config
+from accelexp.config.schema import SCHEMAS
 from accelexp.config.typed import typed
 from accelexp.keys import Affects, affects, choices_of, help_of
 from accelexp.report.compare import comparable_settings
+from accelexp.schema import Config
 from accelexp.tracking.query import RunRecord
 
 

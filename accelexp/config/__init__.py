@@ -5,10 +5,10 @@ dataclasses (`typed`: what `accelexp.train` hands the layers below), a run's ide
 (`identity`: the keys it leaves out), what `conf/` offers (`catalog`) and the `--help` built
 from it (`help`)."""
 
-from accelexp.config.schema import Config
 from accelexp.config.store import register_configs
 from accelexp.config.typed import typed
 from accelexp.config.validate import validate
 from accelexp.errors import ConfigError
+from accelexp.schema import Config
 
 __all__ = ["Config", "ConfigError", "register_configs", "typed", "validate"]

@@ -17,8 +17,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from accelexp.config.catalog import HIDDEN_KEYS, Option, flatten, options, primary_groups
-from accelexp.config.schema import Config
 from accelexp.keys import helps
+from accelexp.schema import Config
 
 WIDTH = 100
 ALIGNED = 24  # a longer KEY=VALUE has its help two spaces after it, out of the helps' column

@@ -21,9 +21,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from accelexp.config.schema import SCHEMAS, Config
+from accelexp.config.schema import SCHEMAS
 from accelexp.keys import Affects, affects
 from accelexp.record import DERIVED_PARAMS, REPEAT_INDEX
+from accelexp.schema import Config
 
 
 def declared_kinds() -> dict[str, Affects]:

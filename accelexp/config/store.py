@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from accelexp.config.schema import SCHEMAS, Config
+from accelexp.config.schema import SCHEMAS
+from accelexp.schema import Config
 
 
 def register_configs() -> None:

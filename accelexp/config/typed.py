@@ -1,4 +1,4 @@
-"""The run's config typed: the schema's dataclasses (`accelexp.config.schema.Config`, each group
+"""The run's config typed: the schema's dataclasses (`accelexp.schema.Config`, each group
 its option's dataclass: `SimpleCNNConfig`, `SyntheticDataConfig`, `DDPConfig`...), built once
 from the validated DictConfig by `accelexp.train`, so that the layers below take the part they
 need, typed (`build_model(cfg.model)`, `build_data(cfg.data, seed)`...).
@@ -14,8 +14,9 @@ from dataclasses import fields
 
 from omegaconf import DictConfig, OmegaConf
 
-from accelexp.config.schema import SCHEMAS, Config
+from accelexp.config.schema import SCHEMAS
 from accelexp.errors import ConfigError
+from accelexp.schema import Config
 
 
 def typed(cfg: DictConfig) -> Config:

@@ -27,7 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from accelexp import objective
 from accelexp.config.catalog import flatten, options_declaring
-from accelexp.config.schema import SCHEMAS, Config
+from accelexp.config.schema import SCHEMAS
 from accelexp.errors import ConfigError
 from accelexp.keys import (
     AT_LEAST_ONE,
@@ -42,6 +42,7 @@ from accelexp.keys import (
     one_of,
 )
 from accelexp.parallel import rules as strategy_rules
+from accelexp.schema import Config
 
 PRECISIONS = ("fp32", "amp", "bf16", "bf16_true", "fp8")  # conf/precision (accelexp.precision)
 SEED_MAX = 2**32 - 1  # numpy's seeding takes [0, 2**32 - 1]
