@@ -29,6 +29,7 @@ activations, temporaries. As torchtitan's `scripts/estimate` does.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -91,6 +92,7 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
     `data.batch_size`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from accelexp.config.typed import typed
     from accelexp.data.sources import set_shape
     from accelexp.diagnosis.max_batch import Trial, step_memory
     from accelexp.models import build_model
@@ -99,8 +101,9 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
     from accelexp.parallel.base import Sync
     from accelexp.speed import SpeedSwitches
 
-    batch = batch or cfg.data.batch_size
-    shape = set_shape(cfg.data)
+    parts = typed(cfg)  # the builders' typed parts; the strategy reads the DictConfig
+    batch = batch or parts.data.batch_size
+    shape = set_shape(parts.data)
     if shape is None:
         raise ConfigError(f"data.name={cfg.data.name}: no known image shape to forecast with")
     strategy = build_strategy(cfg)
@@ -108,9 +111,9 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
     if not shards:  # replicas: a worker holds what one process holds, and what its sync adds
         strategy.sync = Sync(cfg.parallelism)
     world_size = cfg.parallelism.nprocs
-    model_cfg = cfg.model.copy()
-    if "pretrained" in model_cfg:
-        model_cfg.pretrained = False  # the weights' values play no part
+    model_cfg = parts.model
+    if hasattr(model_cfg, "pretrained"):  # the weights' values play no part
+        model_cfg = dataclasses.replace(model_cfg, pretrained=False)
     world = fake_world(world_size) if shards else contextlib.nullcontext()
     with world:
         strategy.setup()
@@ -123,14 +126,14 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
             # trunc_normal_'s, cannot run on fake tensors), then made fake on the run's device
             with torch.device("meta"):
                 model = build_model(model_cfg, *sample[:1], shape.num_classes, shape.image_size)
-            switches = SpeedSwitches.resolve(cfg.speed, strategy.device, model)
+            switches = SpeedSwitches.resolve(parts.speed, strategy.device, model)
             model = switches.prepare(model)
             with FakeTensorMode(allow_non_fake_inputs=True):
                 model = model.to_empty(device=strategy.device)
                 model = strategy.wrap_model(model, input_shape=(batch, *sample))
                 optimizer = strategy.wrap_optimizer(
                     build_optimizer(
-                        cfg.optimizer, model.parameters(), cfg.optimizer.lr,
+                        parts.optimizer, model.parameters(), parts.optimizer.lr,
                         **switches.optimizer_kwargs(),
                     ),
                     model,

@@ -12,14 +12,14 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
-from omegaconf import DictConfig
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR
 
 from accelexp.errors import ConfigError
+from accelexp.schema import OptimizerConfig, SchedulerConfig
 
 
 def build_optimizer(
-    cfg: DictConfig, params: Iterable[torch.nn.Parameter], lr: float, **kernels: bool
+    cfg: OptimizerConfig, params: Iterable[torch.nn.Parameter], lr: float, **kernels: bool
 ) -> torch.optim.Optimizer:
     """`lr` is given apart from `cfg`: the strategy may have scaled `cfg.lr` by the world size.
     `kernels` choose the step's implementation (`foreach=` / `fused=`, see `accelexp.speed`)."""
@@ -44,7 +44,7 @@ def build_optimizer(
     raise ConfigError(f"optimizer.name={cfg.name!r} is unknown: expected sgd or adamw")
 
 
-def lr_factor(cfg: DictConfig, steps_per_epoch: int, epochs: int) -> Callable[[int], float]:
+def lr_factor(cfg: SchedulerConfig, steps_per_epoch: int, epochs: int) -> Callable[[int], float]:
     """The lr multiplier at optimizer step `step` (0-based) for steplr / cosine / none."""
     warmup = round(cfg.warmup_epochs * steps_per_epoch)
     total = epochs * steps_per_epoch
@@ -65,7 +65,7 @@ def lr_factor(cfg: DictConfig, steps_per_epoch: int, epochs: int) -> Callable[[i
 
 
 def build_scheduler(
-    cfg: DictConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int, epochs: int
+    cfg: SchedulerConfig, optimizer: torch.optim.Optimizer, steps_per_epoch: int, epochs: int
 ) -> LRScheduler:
     if cfg.name == "onecycle":
         pct_start = cfg.warmup_epochs / epochs if cfg.warmup_epochs > 0 else cfg.pct_start

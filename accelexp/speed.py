@@ -31,12 +31,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
 
 from accelexp import activation_checkpoint
 from accelexp import heap as host_heap
 from accelexp.errors import AccelexpError
 from accelexp.record import SPEED
+from accelexp.schema import SpeedConfig
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class SpeedSwitches:
 
     @classmethod
     def resolve(
-        cls, cfg: DictConfig, device: torch.device, model: nn.Module, deterministic: bool = False
+        cls, cfg: SpeedConfig, device: torch.device, model: nn.Module, deterministic: bool = False
     ) -> SpeedSwitches:
         conv = has_conv2d(model)
         channels_last = cfg.channels_last

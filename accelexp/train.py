@@ -6,6 +6,12 @@
     -> epochs (train, validate, metrics, best and last checkpoints) -> best weights on the test set
 
 `run(cfg, output_dir)` is what `run.py` calls inside the Hydra job, and what tests call directly.
+
+The typed boundary: `run` validates the DictConfig, then turns it into the schema's dataclasses
+once (`accelexp.config.typed`); the builders take the part they need, typed (`cfg.model`,
+`cfg.data`, `cfg.optimizer`, `cfg.scheduler`, `cfg.speed`...). The DictConfig goes on only where
+a config's tree is the point: the params and identity MLflow records (`resolved`), the strategy
+(`connect`), the run's name and tags, and the diagnosis (which tries its advice as overrides).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from accelexp import activation_checkpoint, checkpoint, outcome, record
-from accelexp.config import ConfigError, validate
+from accelexp.config import ConfigError, typed, validate
 from accelexp.config.catalog import flatten
 from accelexp.config.identity import config_hash, config_id, setting_id
 from accelexp.data import SOURCES, BatchLoader, DataBundle, build_data, resolve_on_device
@@ -49,6 +55,7 @@ from accelexp.optim import build_optimizer, build_scheduler
 from accelexp.parallel import connect, run_label
 from accelexp.parallel.base import Strategy
 from accelexp.parallel.world import current_world
+from accelexp.schema import Config, DataConfig, DebugConfig
 from accelexp.speed import SpeedSwitches, has_conv2d
 from accelexp.tracking import Tracker
 from accelexp.tracking.life import RUN_ID_FILE
@@ -75,40 +82,44 @@ class Loaders(NamedTuple):
 
 
 def make_loaders(
-    cfg: DictConfig,
+    data_cfg: DataConfig,
     data: DataBundle,
     strategy: Strategy,
+    seed: int,
+    max_batches: int | None = None,
     memory_format: torch.memory_format = torch.contiguous_format,
 ) -> Loaders:
-    """Train, val and test loaders; `data.on_device` decided once for all three."""
+    """Train, val and test loaders; `data.on_device` decided once for all three. `seed`: the
+    run's (the training order's, each rank's augmentation's); `max_batches`: the training
+    loader's cut (`max_steps_per_epoch`)."""
     on_device = resolve_on_device(
-        cfg.data.on_device, strategy.device, data.nbytes, cfg.data.num_workers
+        data_cfg.on_device, strategy.device, data.nbytes, data_cfg.num_workers
     )
     common = {
         "device": strategy.device,
         "mean": data.mean,
         "std": data.std,
-        "num_workers": cfg.data.num_workers,
+        "num_workers": data_cfg.num_workers,
         "on_device": on_device,
         "memory_format": memory_format,
     }
     train = BatchLoader(
         data.train,
-        cfg.data.batch_size,
-        strategy.train_sampler(len(data.train), cfg.seed),
-        augment=cfg.data.augment,
+        data_cfg.batch_size,
+        strategy.train_sampler(len(data.train), seed),
+        augment=data_cfg.augment,
         drop_last=True,
-        seed=cfg.seed + strategy.shape.rank,
-        max_batches=cfg.max_steps_per_epoch,
+        seed=seed + strategy.shape.rank,
+        max_batches=max_batches,
         **common,
     )
     val, test = (
-        BatchLoader(split, cfg.data.eval_batch_size, strategy.eval_sampler(len(split)), **common)
+        BatchLoader(split, data_cfg.eval_batch_size, strategy.eval_sampler(len(split)), **common)
         for split in (data.val, data.test)
     )
     if len(train) == 0:
         raise ConfigError(
-            f"data.batch_size={cfg.data.batch_size} is larger than this rank's share of the "
+            f"data.batch_size={data_cfg.batch_size} is larger than this rank's share of the "
             f"training set ({len(train.sampler)} samples): no full batch can be formed. "
             f"Use a smaller data.batch_size."
         )
@@ -121,11 +132,11 @@ class DebugLoader:
     loaders raise a real `torch.OutOfMemoryError` (`debug.raise_oom_at_step`), each batch
     arrives `debug.input_delay_ms` late (a slow input pipeline)."""
 
-    def __init__(self, loader: BatchLoader, debug: DictConfig, rank: int) -> None:
+    def __init__(self, loader: BatchLoader, debug: DebugConfig, rank: int) -> None:
         self.loader, self.debug, self.rank = loader, debug, rank
 
     @classmethod
-    def wrap(cls, loader: BatchLoader, debug: DictConfig, rank: int) -> BatchLoader:
+    def wrap(cls, loader: BatchLoader, debug: DebugConfig, rank: int) -> BatchLoader:
         wanted = debug.raise_on_rank == rank or debug.raise_oom_at_step or debug.input_delay_ms
         return cls(loader, debug, rank) if wanted else loader
 
@@ -161,24 +172,25 @@ def run(
     `gate`: the turns this job takes in a lockstep sweep whose jobs share one process
     (`accelexp.lockstep.together`); else a lockstep job's gate comes from its environment."""
     validate(cfg)
+    parts = typed(cfg)  # the typed boundary: below, each layer takes its part
     # in a sweep's process (Hydra's basic launcher, lockstep in one process), what the job before
     # left — its model, data and optimizer, held in reference cycles — is collected now, not by
     # the collector in the middle of this job's timed steps (full collections ~200 ms here)
     gc.collect()
     output_dir = Path(output_dir)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if parts.threads:
+        torch.set_num_threads(parts.threads)
     strategy = connect(cfg)
     # compare=lockstep: the turns this job takes (a job of any other sweep passes no gate)
     gate = gate or lockstep_gate.from_environment(
         strategy.shape.rank,
         strategy.shape.world_size,
-        cfg.lockstep.slice_steps,
-        cfg.lockstep.epochs_per_process,
+        parts.lockstep.slice_steps,
+        parts.lockstep.epochs_per_process,
         launched=current_world().joined,
     )
     try:
-        return _run(cfg, output_dir, overrides, strategy, gate)
+        return _run(parts, cfg, output_dir, overrides, strategy, gate)
     except lockstep_gate.Reincarnation:
         gate.close(again=True)  # the same job, back in a moment as a fresh process
         raise
@@ -194,22 +206,27 @@ def run(
 
 
 def _run(
-    cfg: DictConfig,
+    cfg: Config,
+    tree: DictConfig,
     output_dir: Path,
     overrides: Sequence[str],
     strategy: Strategy,
     gate: lockstep_gate.Gate,
 ) -> dict[str, float]:
-    tracker = Tracker(cfg.mlflow, enabled=strategy.shape.is_main)
+    """`cfg`: the run's config, typed; `tree`: the same as a DictConfig, for what reads a
+    config's tree (MLflow's params and the run's identity, its name and tags, the diagnosis)."""
+    tracker = Tracker(tree.mlflow, enabled=strategy.shape.is_main)
     tracker.connect()  # fail now, not after training, when the store is unreachable
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved = OmegaConf.to_container(tree, resolve=True)
     state, resume_from = _state_to_resume(cfg, output_dir, tracker, strategy, resolved)
     seed_everything(cfg.seed, cfg.deterministic)
     data = build_data(cfg.data, cfg.seed)
     model = build_model(cfg.model, data.in_channels, data.num_classes, data.image_size)
     switches = SpeedSwitches.resolve(cfg.speed, strategy.device, model, cfg.deterministic)
     switches.apply_backends()
-    loaders = make_loaders(cfg, data, strategy, switches.memory_format)
+    loaders = make_loaders(
+        cfg.data, data, strategy, cfg.seed, cfg.max_steps_per_epoch, switches.memory_format
+    )
     placement, generator = loaders.train.placement, loaders.train.generator
     loaders = loaders._replace(
         train=DebugLoader.wrap(loaders.train, cfg.debug, strategy.shape.rank)
@@ -249,20 +266,20 @@ def _run(
     trainer.gate = gate  # its turns and the steps' ends are kept in the job's folder
     trainer.slice_s = cfg.lockstep.slice_s
     gate.keep_record(output_dir / record.lockstep_file(strategy.shape.rank), trainer.step_times)
-    profiler = StepProfiler(cfg, output_dir, strategy.shape.rank, strategy.device)
+    profiler = StepProfiler(tree, output_dir, strategy.shape.rank, strategy.device)
     trainer.profiler = profiler if profiler.enabled else None
     in_effect = {
         f"speed.{key}": value for key, value in switches.tags().items() if key != record.SPEED
     }
     diagnosis = RunDiagnosis(
         strategy,
-        cfg,
+        tree,
         flops_per_sample,
         in_effect,
         has_conv2d(model),
         activation_checkpoint.checkpointable(strategy.unwrap(model)),
     )
-    name = run_name(cfg, switches.summary(), overrides, run_label(cfg.parallelism))
+    name = run_name(tree, switches.summary(), overrides, run_label(tree.parallelism))
     progress = checkpoint.Progress()
     if state is not None:
         progress = checkpoint.restore(
@@ -290,7 +307,7 @@ def _run(
             record.DATA_PLACEMENT: placement,
         }
         tags = {
-            **run_tags(cfg, strategy.shape.world_size, overrides),
+            **run_tags(tree, strategy.shape.world_size, overrides),
             **strategy.tags(),
             **switches.tags(),
             record.DATA_PLACEMENT: placement,
@@ -330,7 +347,7 @@ def _run(
             trainer.model, optimizer, strategy, sample_shape, data.num_classes,
             switches.memory_format,
         )  # fmt: skip
-        max_batch.after_training(cfg, trial, tracker)
+        max_batch.after_training(tree, trial, tracker)
     except lockstep_gate.Reincarnation:  # the run goes on in the next process: still RUNNING
         raise
     except BaseException as error:  # KILLED by a signal or submitit's requeue, else FAILED
@@ -342,7 +359,7 @@ def _run(
 
 
 def _state_to_resume(
-    cfg: DictConfig, output_dir: Path, tracker: Tracker, strategy: Strategy, resolved: dict
+    cfg: Config, output_dir: Path, tracker: Tracker, strategy: Strategy, resolved: dict
 ) -> tuple[dict | None, Path | None]:
     """The training state to continue from (`resume`, or a restarted job's own), and its file.
     The main rank finds and reads it; the other ranks get it by broadcast, not from its disk,
@@ -387,7 +404,7 @@ class Fit:
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: Config,
         output_dir: Path,
         trainer: Trainer,
         tracker: Tracker,
@@ -592,7 +609,7 @@ def device_label(strategy: Strategy) -> str:
     return f"{name} x{per_process}" if per_process > 1 else name
 
 
-def dataset_identity(cfg: DictConfig, data: DataBundle) -> dict[str, int]:
+def dataset_identity(cfg: Config, data: DataBundle) -> dict[str, int]:
     """What tells this training set apart from another of its name (the run input's digest):
     the sizes of its splits, the image shape, the seed of the validation hold-out, and for the
     synthetic set the seed it is generated from."""
@@ -610,10 +627,10 @@ def dataset_identity(cfg: DictConfig, data: DataBundle) -> dict[str, int]:
     return identity
 
 
-def dataset_source(data_cfg: DictConfig) -> Path | str:
+def dataset_source(data_cfg: DataConfig) -> Path | str:
     """Where the set comes from: the folder `data.root` names, else the reader that found it in
     its default places or generated it (`accelexp.data.SOURCES`)."""
-    if data_cfg.get("root"):
+    if getattr(data_cfg, "root", None):  # a StoredDataConfig's
         return Path(data_cfg.root).expanduser()
     reader = SOURCES[data_cfg.name]
     return f"{reader.__module__}.{reader.__name__}"

@@ -315,14 +315,11 @@ def plain_spec(job: Job, args: argparse.Namespace) -> dict:
 
 def build_plain_model(name: str, image_size: int, num_classes: int = 10) -> torch.nn.Module:
     """The same architecture accelexp builds for `model=<name>` (its registry, its defaults)."""
-    from omegaconf import OmegaConf
-
     from accelexp.config.schema import SCHEMAS
     from accelexp.models import build_model
 
     schema = SCHEMAS["model"]["resnet" if name.startswith("resnet") else name]
-    cfg = OmegaConf.merge(OmegaConf.structured(schema), {"name": name})
-    return build_model(cfg, 3, num_classes, image_size)
+    return build_model(schema(name=name), 3, num_classes, image_size)
 
 
 def plain_worker(spec: dict) -> dict:

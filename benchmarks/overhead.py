@@ -27,7 +27,7 @@ from hydra import compose, initialize_config_dir
 from timing import timed
 from torch.utils.data import RandomSampler
 
-from accelexp.config import register_configs
+from accelexp.config import register_configs, typed
 from accelexp.data import BatchLoader, build_data, resolve_on_device
 from accelexp.diagnosis.noise import NoiseSample
 from accelexp.engine import Trainer
@@ -66,12 +66,13 @@ def main() -> None:
                 "progress=false",
             ],
         )
+    parts = typed(cfg)  # the builders' typed parts; the strategy reads the DictConfig
     seed_everything(cfg.seed)
-    data = build_data(cfg.data, cfg.seed)
+    data = build_data(parts.data, cfg.seed)
     strategy = build_strategy(cfg)
     strategy.setup()
     device = strategy.device
-    reference = build_model(cfg.model, data.in_channels, data.num_classes, data.image_size)
+    reference = build_model(parts.model, data.in_channels, data.num_classes, data.image_size)
     mean = torch.tensor(data.mean).view(1, -1, 1, 1)
     std = torch.tensor(data.std).view(1, -1, 1, 1)
     images = ((data.train.images.float() / 255 - mean) / std).to(device)  # the plain loop's data
@@ -79,7 +80,7 @@ def main() -> None:
 
     def fresh():
         model = copy.deepcopy(reference).to(device)
-        return model, build_optimizer(cfg.optimizer, model.parameters(), cfg.optimizer.lr)
+        return model, build_optimizer(parts.optimizer, model.parameters(), cfg.optimizer.lr)
 
     print(
         f"model={args.model} batch={args.batch_size} steps={args.steps} threads={args.threads} "
@@ -144,7 +145,7 @@ def compare(args, cfg, data, strategy, fresh, images, labels) -> None:
 
     def accelexp_epoch(accounting: bool = True):
         model, optimizer = fresh()
-        scheduler = build_scheduler(cfg.scheduler, optimizer, args.steps, 1)
+        scheduler = build_scheduler(typed(cfg).scheduler, optimizer, args.steps, 1)
         trainer = Trainer(model, optimizer, scheduler, strategy, args.steps, 20, False)
         if not accounting:
             trainer.clock, trainer.probe = NoClock(), NoProbe()

@@ -29,13 +29,15 @@ from accelexp.models import build_model
 from accelexp.parallel.base import Strategy
 from accelexp.parallel.model import parse_devices
 from accelexp.parallel.pipeline import Pipeline, split_layers
+from accelexp.schema import ResNetConfig, SimpleCNNConfig
 from accelexp.step import train_step
 
 
 def model_of(name: str, image_size: int) -> nn.Module:
-    cfg = OmegaConf.create(
-        {"name": name, "pretrained": False, "small_input_max_size": 64}
-        | ({"channels": [32, 64], "hidden": 128, "dropout": 0.0} if name == "simple_cnn" else {})
+    cfg = (
+        SimpleCNNConfig(channels=[32, 64], hidden=128, dropout=0.0)
+        if name == "simple_cnn"
+        else ResNetConfig(name=name, pretrained=False, small_input_max_size=64)
     )
     torch.manual_seed(0)
     return build_model(cfg, in_channels=3, num_classes=10, image_size=image_size)

@@ -74,6 +74,7 @@ from accelexp.engine import Trainer  # noqa: E402
 from accelexp.models import build_model  # noqa: E402
 from accelexp.parallel.base import Strategy  # noqa: E402
 from accelexp.parallel.pipeline import Pipeline, split_layers  # noqa: E402
+from accelexp.schema import ResNetConfig  # noqa: E402
 from accelexp.speed import set_tf32  # noqa: E402
 
 SMALL_RUN = (
@@ -118,7 +119,7 @@ def check_same_numbers(devices: list[torch.device], image_size: int = 32) -> str
 
 
 def _same_numbers(devices: list[torch.device], image_size: int) -> str:
-    cfg = OmegaConf.create({"name": "resnet18", "pretrained": False, "small_input_max_size": 64})
+    cfg = ResNetConfig(name="resnet18", pretrained=False, small_input_max_size=64)
     torch.manual_seed(0)
     reference = build_model(cfg, 3, 10, image_size).to(devices[0]).eval()
     x = torch.randn(16, 3, image_size, image_size, device=devices[0])

@@ -34,9 +34,10 @@ import torch
 from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 from mlflow.entities import Run
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from accelexp.config import register_configs
+from accelexp.schema import SpeedConfig
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
@@ -306,11 +307,10 @@ def output_of(result: subprocess.CompletedProcess) -> str:
     return result.stdout + result.stderr
 
 
-def speed_cfg(**values: object) -> DictConfig:
-    """A `speed` section: the schema's defaults, `values` over them."""
-    from accelexp.schema import SpeedConfig
-
-    return OmegaConf.merge(OmegaConf.structured(SpeedConfig), values)
+def speed_cfg(**values: object) -> SpeedConfig:
+    """A `speed` section, typed (as `SpeedSwitches.resolve` takes it): the schema's defaults,
+    `values` over them."""
+    return SpeedConfig(**values)
 
 
 @contextlib.contextmanager

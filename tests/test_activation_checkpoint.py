@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
 from accelexp import activation_checkpoint
+from accelexp.config import typed
 from accelexp.diagnosis.max_batch import Trial, step_memory
 from accelexp.forecast import forecast
 from accelexp.models import build_model
@@ -41,7 +42,7 @@ def model_and_batch(request, tmp_path_factory):
         uri, f"model={name}", f"data.image_size={size}", f"data.batch_size={batch}", "device=cpu"
     )
     torch.manual_seed(0)
-    model = build_model(cfg.model, 3, 10, size).train()
+    model = build_model(typed(cfg).model, 3, 10, size).train()
     images, labels = torch.randn(batch, 3, size, size), torch.randint(10, (batch,))
     return cfg, model, images, labels, peak_mb(cfg, copy.deepcopy(model), images)
 
@@ -58,7 +59,7 @@ def gradients_and_buffers(model, images, labels):
 def peak_mb(cfg, model, images) -> float:
     """A steady step's peak of live tensors (MiB): the optimizer's state made by a step before."""
     strategy = connect(cfg)
-    optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.optimizer.lr)
+    optimizer = build_optimizer(typed(cfg).optimizer, model.parameters(), cfg.optimizer.lr)
     trial = Trial(model, optimizer, strategy, images.shape[1:], 10)
     trial.step(images.shape[0])
     optimizer.zero_grad()

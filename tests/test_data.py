@@ -17,6 +17,7 @@ from conftest import only_run
 from torch.utils.data import RandomSampler, SequentialSampler
 
 import accelexp.data.sources as sources
+from accelexp.config import typed
 from accelexp.data import BatchLoader, DatasetNotFoundError, ImageSet, build_data
 from accelexp.data.images import draw_crop_flip, random_crop_flip
 from accelexp.data.sources import load_cifar10, read_idx
@@ -97,7 +98,7 @@ def test_the_generated_cifar_files_are_python2_pickles(cifar_root):
 def test_cifar10_reader_keeps_images_labels_and_channel_planes(compose_cfg, cifar_root):
     root, batches = cifar_root
     cfg = compose_cfg("data=cifar10", f"data.root={root}", "data.download=false")
-    train, test = load_cifar10(cfg.data)
+    train, test = load_cifar10(typed(cfg).data)
     assert train.images.shape == (20, 3, 32, 32) and train.images.dtype == torch.uint8
     assert test.images.shape == (6, 3, 32, 32)
     train_rows = np.concatenate([batches[f"data_batch_{i}"]["data"] for i in range(1, 6)])
@@ -115,7 +116,7 @@ def test_cifar10_reader_keeps_images_labels_and_channel_planes(compose_cfg, cifa
 def test_build_data_splits_cifar10(compose_cfg, cifar_root):
     root, _ = cifar_root
     cfg = compose_cfg("data=cifar10", f"data.root={root}", "data.val_fraction=0.25")
-    data = build_data(cfg.data, cfg.seed)
+    data = build_data(typed(cfg).data, cfg.seed)
     assert (len(data.train), len(data.val), len(data.test)) == (15, 5, 6)
     assert data.train.images.shape[1:] == (3, 32, 32)
     assert (data.in_channels, data.image_size, data.num_classes) == (3, 32, 10)
@@ -138,7 +139,7 @@ def test_a_tiny_run_on_cifar10_files(compose_cfg, cifar_root, tracking_uri, tmp_
 def test_missing_cifar10_names_the_files_and_the_ways_out(compose_cfg, tmp_path):
     cfg = compose_cfg("data=cifar10", f"data.root={tmp_path}", "data.download=false")
     with pytest.raises(DatasetNotFoundError) as caught:
-        build_data(cfg.data, cfg.seed)
+        build_data(typed(cfg).data, cfg.seed)
     message = str(caught.value)
     assert "CIFAR-10" in message
     assert str(tmp_path / "cifar-10-batches-py") in message
@@ -154,7 +155,7 @@ def test_missing_cifar10_names_the_files_and_the_ways_out(compose_cfg, tmp_path)
 def test_fashion_mnist_from_the_debian_package(compose_cfg):
     assert str(sources.DEBIAN_FASHION_MNIST) == "/usr/share/datasets/fashion-mnist"
     cfg = compose_cfg("data=fashion_mnist", "data.download=false")
-    data = build_data(cfg.data, cfg.seed)
+    data = build_data(typed(cfg).data, cfg.seed)
     assert (len(data.train), len(data.val), len(data.test)) == (54000, 6000, 10000)
     assert data.train.images.shape[1:] == (1, 28, 28)
     assert data.test.images.shape == (10000, 1, 28, 28)
@@ -197,7 +198,7 @@ def test_fashion_mnist_idx_files_under_data_root(compose_cfg, tmp_path, gz, layo
     directory = tmp_path if layout == "flat" else tmp_path / "FashionMNIST" / "raw"
     arrays = tiny_fashion_mnist(directory, gz)
     cfg = compose_cfg("data=fashion_mnist", f"data.root={tmp_path}", "data.download=false")
-    data = build_data(cfg.data, cfg.seed)
+    data = build_data(typed(cfg).data, cfg.seed)
     assert (len(data.train), len(data.val), len(data.test)) == (11, 1, 5)  # not Debian's files
     assert data.test.images.shape == (5, 1, 28, 28) and data.test.images.dtype == torch.uint8
     assert np.array_equal(data.test.images[:, 0].numpy(), arrays["t10k-images-idx3-ubyte"])
@@ -231,7 +232,7 @@ def test_missing_fashion_mnist_says_where_it_looked_and_what_to_do(
     monkeypatch.setattr(sources, "DEBIAN_FASHION_MNIST", tmp_path / "no-debian-package")
     cfg = compose_cfg("data=fashion_mnist", f"data.root={tmp_path}", "data.download=false")
     with pytest.raises(DatasetNotFoundError) as caught:
-        build_data(cfg.data, cfg.seed)
+        build_data(typed(cfg).data, cfg.seed)
     message = str(caught.value)
     assert "Fashion-MNIST" in message
     assert str(tmp_path) in message

@@ -20,6 +20,7 @@ from mlflow import MlflowClient
 
 from accelexp import activation_checkpoint
 from accelexp.advice import is_command
+from accelexp.config import typed
 from accelexp.config.resources import usable_cores
 from accelexp.diagnosis.noise import NoiseSample
 from accelexp.diagnosis.run import RunDiagnosis
@@ -349,10 +350,10 @@ def test_which_models_have_blocks_to_checkpoint(compose_cfg):
     """Asked of the model a strategy's `unwrap` gives back: its blocks checkpointed or not."""
     cfg = compose_cfg("model=vit_tiny", "model.dim=32", "model.depth=2", "model.heads=2")
     for mode, option in [("none", "2"), ("selective", "2"), ("full", "2")]:
-        vit = build_model(cfg.model, 3, 10, 16)
+        vit = build_model(typed(cfg).model, 3, 10, 16)
         activation_checkpoint.apply(vit, mode, option)  # selective: 1 of 2 blocks wrapped
         assert activation_checkpoint.checkpointable(vit), mode
-    simple = build_model(compose_cfg("model=simple_cnn").model, 3, 10, 16)
+    simple = build_model(typed(compose_cfg("model=simple_cnn")).model, 3, 10, 16)
     assert not activation_checkpoint.checkpointable(simple)
     assert not activation_checkpoint.checkpointable(torch.nn.Linear(2, 2))  # no layer sequence
 

@@ -20,7 +20,6 @@ from conftest import (
     output_of,
 )
 from mlflow import MlflowClient
-from omegaconf import OmegaConf
 
 from accelexp.config import ConfigError, validate
 from accelexp.launch import launch
@@ -29,18 +28,17 @@ from accelexp.parallel import build_strategy
 from accelexp.parallel.model import parse_devices
 from accelexp.parallel.pipeline import Pipeline, balanced_split, split_layers
 from accelexp.parallel.world import WorldShape
+from accelexp.schema import ResNetConfig, SimpleCNNConfig
 
 CPU = torch.device("cpu")
 
 
-def model_of(name: str, **keys) -> nn.Module:
+def model_of(name: str) -> nn.Module:
     torch.manual_seed(0)
-    defaults = {"simple_cnn": {"channels": [8, 16], "hidden": 32, "dropout": 0.0}}
-    cfg = OmegaConf.create(
-        {"name": name, "pretrained": False, "small_input_max_size": 64}
-        | defaults.get(name, {})
-        | keys
-    )
+    if name == "simple_cnn":
+        cfg = SimpleCNNConfig(channels=[8, 16], hidden=32, dropout=0.0)
+    else:
+        cfg = ResNetConfig(name=name, pretrained=False, small_input_max_size=64)
     return build_model(cfg, in_channels=3, num_classes=10, image_size=16)
 
 

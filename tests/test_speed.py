@@ -25,6 +25,7 @@ from conftest import (
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
+from accelexp.config import typed
 from accelexp.engine import eager_warmup_steps
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer
@@ -120,7 +121,7 @@ def test_the_optimizer_implementation_is_the_one_asked_for(compose_cfg, impl, ex
     switches = SpeedSwitches.resolve(speed_cfg(optimizer_impl=impl), CPU, conv_net())
     model = nn.Linear(3, 2)
     optimizer = build_optimizer(
-        cfg.optimizer, model.parameters(), 0.1, **switches.optimizer_kwargs()
+        typed(cfg).optimizer, model.parameters(), 0.1, **switches.optimizer_kwargs()
     )
     for key, value in expected.items():
         assert optimizer.defaults[key] is value
@@ -194,7 +195,7 @@ def test_model_parallel_compiles_each_stage_and_keeps_the_outputs(compose_cfg):
     cfg = compose_cfg("parallelism=model", "parallelism.stages=2", "model.dropout=0")
     strategy = connect(cfg)
     torch.manual_seed(0)
-    model = build_model(cfg.model, 3, 10, 16)
+    model = build_model(typed(cfg).model, 3, 10, 16)
     expected = model.eval()(torch.ones(4, 3, 16, 16))
     wrapped = strategy.wrap_model(model, compile_mode="default").eval()
     assert all(stage._compiled_call_impl is not None for stage in strategy.pipeline.stages)

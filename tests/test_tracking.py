@@ -18,6 +18,7 @@ from conftest import REPO, compose_config, new_store, only_run, run_here
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
+from accelexp.config import typed
 from accelexp.config.catalog import flatten
 from accelexp.data import build_data
 from accelexp.engine import Trainer
@@ -183,8 +184,8 @@ def test_the_best_model_is_logged_with_mlflow_pytorch_and_loads_back(
     assert model_info.artifact_location.startswith((tmp_path / "mlartifacts").as_uri())
     mlflow.set_tracking_uri(tracking_uri)
     loaded = mlflow.pytorch.load_model(f"models:/{logged.model_id}")
-    data = build_data(cfg.data, cfg.seed)
-    model = build_model(cfg.model, data.in_channels, data.num_classes, data.image_size)
+    data = build_data(typed(cfg).data, cfg.seed)
+    model = build_model(typed(cfg).model, data.in_channels, data.num_classes, data.image_size)
     model.load_state_dict(torch.load(tmp_path / "out/checkpoints/best.pt")["model"])
     images = torch.rand(4, data.in_channels, data.image_size, data.image_size)
     with torch.no_grad():

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import SequentialSampler
 
 from accelexp import engine
+from accelexp.config import typed
 from accelexp.data import BatchLoader, build_data
 from accelexp.errors import AccelexpError
 from accelexp.models import build_model
@@ -82,8 +83,8 @@ def test_bf16_true_trains_bf16_weights_and_optimizer_state(compose_cfg):
     assert precision.autocast_dtype is None and precision.scaler is None
     assert precision.effective_name == "bf16_true"
     torch.manual_seed(0)
-    model = strategy.wrap_model(build_model(cfg.model, 3, 10, 16))
-    optimizer = build_optimizer(cfg.optimizer, model.parameters(), 1e-3)
+    model = strategy.wrap_model(build_model(typed(cfg).model, 3, 10, 16))
+    optimizer = build_optimizer(typed(cfg).optimizer, model.parameters(), 1e-3)
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
     assert precision.cast_inputs(images).dtype == torch.bfloat16
     losses = [train_step(model, images, labels, optimizer, strategy)[0].item() for _ in range(4)]
@@ -189,7 +190,7 @@ def lrs_over_run(cfg, steps_per_epoch: int, epochs: int) -> list[float]:
 
 
 def scheduler_cfg(compose_cfg, name: str, *overrides: str):
-    return compose_cfg(f"scheduler={name}", *[f"scheduler.{o}" for o in overrides]).scheduler
+    return typed(compose_cfg(f"scheduler={name}", *[f"scheduler.{o}" for o in overrides])).scheduler
 
 
 def test_cosine_warms_up_linearly_then_decays_to_its_floor(compose_cfg):
@@ -279,8 +280,8 @@ def _step(metric) -> int:
 def test_best_checkpoint_reproduces_the_logged_test_accuracy(learned_run):
     cfg, out, uri, _ = learned_run
     checkpoint = torch.load(Path(out) / "checkpoints" / "best.pt", weights_only=True)
-    data = build_data(cfg.data, cfg.seed)
-    model = build_model(cfg.model, data.in_channels, data.num_classes, data.image_size)
+    data = build_data(typed(cfg).data, cfg.seed)
+    model = build_model(typed(cfg).model, data.in_channels, data.num_classes, data.image_size)
     model.load_state_dict(checkpoint["model"])
     model.eval()
     loader = BatchLoader(

@@ -16,13 +16,13 @@ from conftest import (
     output_of,
     speed_cfg,
 )
-from omegaconf import OmegaConf
 
-from accelexp.config import ConfigError, validate
+from accelexp.config import ConfigError, typed, validate
 from accelexp.errors import AccelexpError
 from accelexp.models import build_model, layer_sequence
 from accelexp.models.vit import SelfAttention, auto_patch_size
 from accelexp.parallel.pipeline import Pipeline, split_layers
+from accelexp.schema import TorchvisionViTConfig, ViTConfig
 from accelexp.speed import SpeedSwitches
 
 CPU = torch.device("cpu")
@@ -31,8 +31,8 @@ CPU = torch.device("cpu")
 
 def vit(channels: int = 3, size: int = 16, **keys) -> nn.Module:
     torch.manual_seed(0)
-    cfg = OmegaConf.create(
-        {"name": "vit_tiny", "patch_size": "auto", "dim": 32, "depth": 3, "heads": 2}
+    cfg = ViTConfig(
+        **{"name": "vit_tiny", "patch_size": "auto", "dim": 32, "depth": 3, "heads": 2}
         | {"mlp_ratio": 4.0, "dropout": 0.0}
         | keys
     )
@@ -41,7 +41,7 @@ def vit(channels: int = 3, size: int = 16, **keys) -> nn.Module:
 
 def vit_b_16(channels: int = 3, size: int = 32, **keys) -> nn.Module:
     torch.manual_seed(0)
-    cfg = OmegaConf.create({"name": "vit_b_16", "pretrained": False} | keys)
+    cfg = TorchvisionViTConfig(**{"name": "vit_b_16", "pretrained": False} | keys)
     return build_model(cfg, channels, 10, size)
 
 
@@ -63,7 +63,7 @@ def test_the_configured_vits_keep_deit_widths_and_give_one_logit_per_class(
     compose_cfg, name, channels, size
 ):
     cfg = compose_cfg(f"model={name}", "model.depth=1")
-    model = build_model(cfg.model, channels, 7, size).eval()
+    model = build_model(typed(cfg).model, channels, 7, size).eval()
     assert (cfg.model.dim, cfg.model.heads) == {"vit_tiny": (192, 3), "vit_small": (384, 6)}[name]
     patch = {28: 7, 32: 8}[size]
     assert model.embed.proj.kernel_size == model.embed.proj.stride == (patch, patch)

@@ -11,6 +11,7 @@ group's schema is found again by its keys: within a group, no two schemas have t
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -40,6 +41,14 @@ def structured(cfg: DictConfig) -> DictConfig:
     merged = OmegaConf.merge(OmegaConf.structured(Config), groups, cfg)
     assert isinstance(merged, DictConfig)
     return merged
+
+
+def typed_part(node: DictConfig, group: str) -> Any:
+    """One group's option (`cfg.model`...) as its dataclass: for the config's own checks, which
+    build a part before the run's config is typed (`accelexp.config.resources`)."""
+    if OmegaConf.get_type(node) in SCHEMAS[group].values():
+        return OmegaConf.to_object(node)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema_of(group, node)), node))
 
 
 def schema_of(group: str, node: DictConfig) -> type:

@@ -1,11 +1,12 @@
-"""Data registry: `build_data(cfg.data, seed)` -> a `DataBundle` of train/val/test in memory."""
+"""Data registry: `build_data(cfg.data, seed)` -> a `DataBundle` of train/val/test in memory;
+`cfg.data` the typed `data` option (`accelexp.schema.DataConfig`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
 from accelexp.data.images import DataBundle, ImageSet
 from accelexp.data.loaders import BatchLoader, resolve_on_device
@@ -16,8 +17,9 @@ from accelexp.data.sources import (
     make_synthetic,
 )
 from accelexp.errors import ConfigError
+from accelexp.schema import DataConfig
 
-SOURCES: dict[str, Callable[[DictConfig], tuple[ImageSet, ImageSet]]] = {
+SOURCES: dict[str, Callable[[Any], tuple[ImageSet, ImageSet]]] = {
     "fashion_mnist": load_fashion_mnist,
     "cifar10": load_cifar10,
     "synthetic": make_synthetic,
@@ -33,7 +35,7 @@ __all__ = [
 ]
 
 
-def build_data(cfg: DictConfig, seed: int) -> DataBundle:
+def build_data(cfg: DataConfig, seed: int) -> DataBundle:
     """Load the dataset, hold out `val_fraction` of train (seeded) for validation."""
     if cfg.name not in SOURCES:
         raise ConfigError(f"data.name={cfg.name!r} is unknown: expected one of {sorted(SOURCES)}")

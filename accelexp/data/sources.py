@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from accelexp.data.images import ImageSet
 from accelexp.errors import AccelexpError
+from accelexp.schema import DataConfig, StoredDataConfig, SyntheticDataConfig
 
 DEBIAN_FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 DEFAULT_DOWNLOAD_ROOT = Path("outputs/data")
@@ -57,14 +58,15 @@ KNOWN_SHAPES = {
 }
 
 
-def set_shape(cfg: DictConfig) -> SetShape | None:
-    """The size of the set `cfg` (`data`) names, without loading it; None for an unknown name."""
+def set_shape(cfg: DataConfig | DictConfig) -> SetShape | None:
+    """The size of the set `cfg` (`data`) names, without loading it; None for an unknown name.
+    The config's checks ask it too, of the DictConfig (before the config is typed)."""
     if cfg.name == "synthetic":
         return SetShape(cfg.num_train, cfg.num_test, cfg.channels, cfg.image_size, cfg.num_classes)
     return KNOWN_SHAPES.get(cfg.name)
 
 
-def _given_root(cfg: DictConfig, holds: str) -> Path | None:
+def _given_root(cfg: StoredDataConfig, holds: str) -> Path | None:
     """`data.root`, which must exist unless it is inside accelexp's own download folder."""
     if not cfg.root:
         return None
@@ -130,7 +132,7 @@ def _fashion_mnist_dir(candidates: list[Path]) -> Path | None:
     return None
 
 
-def load_fashion_mnist(cfg: DictConfig) -> tuple[ImageSet, ImageSet]:
+def load_fashion_mnist(cfg: StoredDataConfig) -> tuple[ImageSet, ImageSet]:
     root = _given_root(cfg, "train-images-idx3-ubyte.gz and the other three IDX files")
     roots = [root] if root else []
     candidates = [d for r in roots for d in (r, r / "FashionMNIST" / "raw")] + [
@@ -183,7 +185,7 @@ def _read_cifar_batches(directory: Path, names: list[str]) -> ImageSet:
     return ImageSet(torch.from_numpy(np.concatenate(images)), torch.tensor(labels))
 
 
-def load_cifar10(cfg: DictConfig) -> tuple[ImageSet, ImageSet]:
+def load_cifar10(cfg: StoredDataConfig) -> tuple[ImageSet, ImageSet]:
     root = _given_root(cfg, f"{CIFAR10_FOLDER}/") or DEFAULT_DOWNLOAD_ROOT / "cifar10"
     directory = root / CIFAR10_FOLDER
     missing = [n for n in CIFAR10_TRAIN + CIFAR10_TEST if not (directory / n).is_file()]
@@ -227,7 +229,7 @@ def _download(what: str, fetch) -> Path | None:
 SYNTHETIC_SEED = 1234
 
 
-def make_synthetic(cfg: DictConfig) -> tuple[ImageSet, ImageSet]:
+def make_synthetic(cfg: SyntheticDataConfig) -> tuple[ImageSet, ImageSet]:
     """A learnable image classification set: each class is a smooth pattern, samples add noise."""
     g = torch.Generator().manual_seed(SYNTHETIC_SEED)
     k, c, s = cfg.num_classes, cfg.channels, cfg.image_size

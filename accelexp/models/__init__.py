@@ -1,4 +1,5 @@
-"""Model registry: `build_model(cfg.model, in_channels, num_classes, image_size)`.
+"""Model registry: `build_model(cfg.model, in_channels, num_classes, image_size)`, `cfg.model`
+the typed `model` option (`accelexp.schema.ModelConfig`).
 
 Input channels, class count and image size come from the data, never from the user.
 `layer_sequence(model)` lists a model as the layers whose composition is its forward pass: what
@@ -11,15 +12,15 @@ import sys
 from collections.abc import Callable
 
 import torch.nn as nn
-from omegaconf import DictConfig
 
 from accelexp.errors import ConfigError
 from accelexp.models.mlp import MLP
 from accelexp.models.resnet import build_resnet, resnet_layers
 from accelexp.models.simple_cnn import SimpleCNN
 from accelexp.models.vit import build_vit, build_vit_b_16, vit_b16_layers
+from accelexp.schema import ModelConfig
 
-Builder = Callable[[DictConfig, int, int, int], nn.Module]
+Builder = Callable[[ModelConfig, int, int, int], nn.Module]
 
 MODELS: dict[str, Builder] = {
     "simple_cnn": lambda cfg, c, k, s: SimpleCNN(
@@ -34,7 +35,7 @@ MODELS: dict[str, Builder] = {
 }
 
 
-def build_model(cfg: DictConfig, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
+def build_model(cfg: ModelConfig, in_channels: int, num_classes: int, image_size: int) -> nn.Module:
     if cfg.name not in MODELS:
         raise ConfigError(f"model.name={cfg.name!r} is unknown: expected one of {sorted(MODELS)}")
     return MODELS[cfg.name](cfg, in_channels, num_classes, image_size)

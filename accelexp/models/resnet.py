@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
 
 from accelexp.errors import AccelexpError
+from accelexp.schema import ResNetConfig
 
 if TYPE_CHECKING:
     import torchvision  # loaded where a model of its is built
@@ -40,7 +40,7 @@ def cached_weights(arch: str):
 
 
 def build_resnet(
-    arch: str, cfg: DictConfig, in_channels: int, num_classes: int, image_size: int
+    arch: str, cfg: ResNetConfig, in_channels: int, num_classes: int, image_size: int
 ) -> nn.Module:
     weights = cached_weights(arch) if cfg.pretrained else None
     import torchvision

@@ -25,6 +25,7 @@ from omegaconf import DictConfig
 
 from accelexp.errors import ConfigError
 from accelexp.models.resnet import cached_weights
+from accelexp.schema import ModelConfig, TorchvisionViTConfig, ViTConfig
 
 if TYPE_CHECKING:
     import torchvision  # loaded where a model of its is built
@@ -47,7 +48,7 @@ def auto_patch_size(image_size: int) -> int:
     return max(fitting, default=1)
 
 
-def patch_size_of(cfg: DictConfig, image_size: int) -> int:
+def patch_size_of(cfg: ViTConfig, image_size: int) -> int:
     """`model.patch_size` for images of `image_size` (`auto` resolved); `ConfigError` when it
     does not divide the image."""
     problem = patch_problem(cfg, image_size)
@@ -57,10 +58,11 @@ def patch_size_of(cfg: DictConfig, image_size: int) -> int:
     return auto_patch_size(image_size) if patch in (None, "auto") else patch
 
 
-def patch_problem(cfg: DictConfig, image_size: int) -> str | None:
+def patch_problem(cfg: ModelConfig | DictConfig, image_size: int) -> str | None:
     """Why the ViT `cfg` (`model`) cannot cut images of `image_size` into patches; None if it can.
 
-    `accelexp.config.validate` asks this before any training, where the image size is known."""
+    `accelexp.config.validate` asks this before any training, where the image size is known (of
+    the DictConfig: validation runs before the config is typed)."""
     if cfg.name == "vit_b_16":
         if image_size % VIT_B_16_PATCH == 0:
             return None
@@ -70,7 +72,7 @@ def patch_problem(cfg: DictConfig, image_size: int) -> str | None:
             f"data=cifar10, or data=synthetic data.image_size=224), or model=vit_tiny, whose "
             f"patch_size adapts to the image."
         )
-    patch = cfg.get("patch_size")
+    patch = getattr(cfg, "patch_size", None)  # a ViTConfig's
     whole = isinstance(patch, int) and patch >= 1 and image_size % patch == 0
     if patch in (None, "auto") or whole:
         return None
@@ -202,7 +204,7 @@ def _init_weights(module: nn.Module) -> None:
             nn.init.zeros_(module.bias)
 
 
-def build_vit(cfg: DictConfig, in_channels: int, num_classes: int, image_size: int) -> ViT:
+def build_vit(cfg: ViTConfig, in_channels: int, num_classes: int, image_size: int) -> ViT:
     return ViT(
         in_channels,
         num_classes,
@@ -220,7 +222,7 @@ def build_vit(cfg: DictConfig, in_channels: int, num_classes: int, image_size: i
 
 
 def build_vit_b_16(
-    cfg: DictConfig, in_channels: int, num_classes: int, image_size: int
+    cfg: TorchvisionViTConfig, in_channels: int, num_classes: int, image_size: int
 ) -> torchvision.models.VisionTransformer:
     """torchvision's ViT-B/16 for `image_size` images of `in_channels` channels and the data's
     classes. ImageNet weights (`pretrained`) only from torch's hub cache, and only at 224 px with
