@@ -48,7 +48,7 @@ from accelexp.diagnosis.noise import ContentionProbe, NoiseSample, judge
 from accelexp.errors import AccelexpError
 from accelexp.lockstep.gate import Gate, NoGate
 from accelexp.parallel.base import Strategy
-from accelexp.precision import Precision
+from accelexp.precision.runtime import Precision
 from accelexp.stats import Estimate
 from accelexp.step import train_step
 from accelexp.timing import INPUT, OTHER, Breakdown, StepClock

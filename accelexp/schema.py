@@ -27,6 +27,7 @@ from omegaconf import MISSING
 
 from accelexp import objective
 from accelexp.keys import Affects, key, like, option_name, section
+from accelexp.precision import Name
 
 RESULTS, SPEED, NOTHING = Affects.RESULTS, Affects.SPEED, Affects.NOTHING
 
@@ -131,14 +132,14 @@ class PrecisionConfig:
     """fp32, amp, bf16, bf16_true or fp8: the dtypes of the forward and backward passes and of
     the weights (accelexp.precision); only amp has keys of its own."""
 
-    name: str = option_name("fp32")
+    name: str = option_name(Name.FP32.value)
 
 
 @dataclass
 class AmpConfig(PrecisionConfig):
     """fp16 autocast with a GradScaler on CUDA (a CPU runs bf16 autocast, without a scaler)."""
 
-    name: str = option_name("amp")
+    name: str = option_name(Name.AMP.value)
     init_scale: float = key(65536.0, "the GradScaler's first loss scale")
     growth_interval: int = key(2000, "steps without an inf before the loss scale doubles")
 

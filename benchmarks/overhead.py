@@ -34,7 +34,7 @@ from accelexp.engine import Trainer
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
 from accelexp.parallel import build_strategy
-from accelexp.precision import Precision
+from accelexp.precision.runtime import Precision
 from accelexp.timing import Breakdown, StepClock
 from accelexp.train import seed_everything
 

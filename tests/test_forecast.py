@@ -63,7 +63,7 @@ def test_a_gradscaler_does_not_stop_the_forecast(tracking_uri, monkeypatch) -> N
     Precision is given a scaler here, as CUDA's has; the forecast is the one without it."""
     import torch
 
-    from accelexp.precision import Precision
+    from accelexp.precision.runtime import Precision
 
     built = Precision.from_config
 

@@ -29,7 +29,7 @@ from conftest import compose_config
 
 from accelexp.config import validate
 from accelexp.data import BatchLoader
-from accelexp.precision import Precision
+from accelexp.precision.runtime import Precision
 from accelexp.speed import set_tf32, tf32_enabled
 
 REPO = Path(__file__).resolve().parents[1]

@@ -28,7 +28,8 @@ from accelexp.errors import AccelexpError
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler, lr_factor
 from accelexp.parallel import connect
-from accelexp.precision import Precision, float8_eligible, fp8_problem
+from accelexp.precision import fp8_problem
+from accelexp.precision.runtime import Precision, float8_eligible
 from accelexp.step import train_step
 from accelexp.tracking.runs import significant
 from accelexp.train import run

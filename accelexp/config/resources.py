@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from accelexp.errors import ConfigError
 from accelexp.parallel import rules as strategy_rules
+from accelexp.precision import Name, fp8_problem
 
 if TYPE_CHECKING:
     from accelexp.data.sources import SetShape
@@ -42,11 +43,9 @@ def check_resources(cfg: DictConfig, workers: int = 1) -> None:
 
 def _precision_problems(cfg: DictConfig, gpus: int) -> list[str]:
     """fp8 matmuls on a machine without fp8 tensor cores (every visible GPU's capability)."""
-    if cfg.precision.name != "fp8":
+    if cfg.precision.name != Name.FP8:
         return []
     import torch
-
-    from accelexp.precision import fp8_problem
 
     capabilities = [torch.cuda.get_device_capability(i) for i in range(gpus)]
     problem = fp8_problem("cuda" if gpus else "cpu", capabilities)

@@ -5,6 +5,7 @@ the name `conf/`'s defaults lists find them under (`- /schema/<group>/<name>@_he
 from __future__ import annotations
 
 from accelexp.parallel import STRATEGIES
+from accelexp.precision import Name
 from accelexp.schema import (
     AdamWConfig,
     AmpConfig,
@@ -32,7 +33,7 @@ SCHEMAS: dict[str, dict[str, type]] = {
         "torchvision_vit": TorchvisionViTConfig,
     },
     "data": {"stored": StoredDataConfig, "synthetic": SyntheticDataConfig},
-    "precision": {"precision": PrecisionConfig, "amp": AmpConfig},
+    "precision": {"precision": PrecisionConfig, Name.AMP.value: AmpConfig},
     "parallelism": {name: preset.schema for name, preset in STRATEGIES.items()},  # parallel's
     "optimizer": {"sgd": SGDConfig, "adamw": AdamWConfig},
     "scheduler": {

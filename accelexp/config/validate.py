@@ -42,9 +42,9 @@ from accelexp.keys import (
     one_of,
 )
 from accelexp.parallel import rules as strategy_rules
+from accelexp.precision import NAMES
 from accelexp.schema import Config
 
-PRECISIONS = ("fp32", "amp", "bf16", "bf16_true", "fp8")  # conf/precision (accelexp.precision)
 SEED_MAX = 2**32 - 1  # numpy's seeding takes [0, 2**32 - 1]
 INT32_MAX = 2**31 - 1
 # old spelling -> new: refused with the new one (`renamed_key`)
@@ -125,7 +125,7 @@ def _rules() -> list[Rule]:
         ("data.image_size", lambda v: v >= 8, "an integer >= 8"),
         ("data.channels", *AT_LEAST_ONE),
         ("data.num_classes", lambda v: v >= 2, "an integer >= 2"),
-        ("precision.name", lambda v: v in PRECISIONS, f"one of {', '.join(PRECISIONS)}"),
+        ("precision.name", lambda v: v in NAMES, f"one of {', '.join(NAMES)}"),
         ("precision.init_scale", *POSITIVE),
         (
             "precision.growth_interval",

@@ -70,6 +70,7 @@ from accelexp.config import ConfigError, validate
 from accelexp.config.catalog import flatten
 from accelexp.machine import Machine
 from accelexp.parallel.rules import MEMORY_ADVICE
+from accelexp.precision import HALF_WIDTH_ALREADY
 from accelexp.timing import Breakdown
 
 INPUT_SHARE = 0.25
@@ -81,7 +82,6 @@ FLOP_SHARE = 0.05
 # precision options whose gain (half-width arithmetic and activations) a run of another
 # precision has already: bf16_true computes in bf16 with bf16 weights besides, fp8 its matmuls in
 # fp8 and the rest in bf16
-HALF_WIDTH_ALREADY = {"bf16_true": ("amp", "bf16"), "fp8": ("amp", "bf16")}
 
 
 @dataclass

@@ -36,7 +36,8 @@ from accelexp.advice import Advice, command
 from accelexp.errors import AccelexpError
 from accelexp.machine import Machine
 from accelexp.parallel.world import World, WorldShape
-from accelexp.precision import Precision
+from accelexp.precision import Name
+from accelexp.precision.runtime import Precision
 from accelexp.timing import CommTime
 
 
@@ -294,7 +295,7 @@ class Strategy:
         precision: Mapping[str, Any] | None = None,
     ) -> None:
         self.cfg = cfg
-        self._precision_cfg = precision or {"name": "fp32"}
+        self._precision_cfg = precision or {"name": Name.FP32}
         self.placement = placement or Placement(cfg, device)
         self.sync = sync or Sync(cfg)
         self.name = cfg.get("name", self.name)

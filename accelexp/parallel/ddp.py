@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accelexp.parallel.distributed import TorchDistributed
-from accelexp.precision import Precision
+from accelexp.precision.runtime import Precision
 from accelexp.timing import CommTime
 
 

@@ -65,7 +65,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from accelexp import record
 from accelexp.models import layer_sequence
 from accelexp.parallel.distributed import TorchDistributed
-from accelexp.precision import Precision
+from accelexp.precision.runtime import Precision
 
 GATHERED = StateDictOptions(full_state_dict=True, cpu_offload=True)
 SCATTERED = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

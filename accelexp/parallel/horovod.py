@@ -35,7 +35,7 @@ import torch.nn as nn
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Sync
 from accelexp.parallel.world import World, current_world
-from accelexp.precision import Precision
+from accelexp.precision.runtime import Precision
 from accelexp.timing import CommTime
 
 SETUP_HINT = "Run the setup, which builds it against the installed torch: `make setup`."

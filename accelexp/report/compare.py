@@ -54,6 +54,7 @@ from accelexp import stats
 from accelexp.config.identity import ignored_for_speed
 from accelexp.errors import AccelexpError
 from accelexp.parallel import STRATEGIES
+from accelexp.precision import NAMES, Name
 from accelexp.record import (
     ACTIVATION_CHECKPOINTING,
     BEST_VAL_ACC,
@@ -103,7 +104,7 @@ DEFAULT_BASELINE = "world_size=1,precision=fp32"
 BASELINE_KEYS = (WORLD_SIZE, PRECISION, PARALLELISM, MODEL, DATA, SPEED)
 CONFIG_KEYS = (PARALLELISM, WORLD_SIZE, PRECISION, SPEED, MODEL, DATA)  # a run's name
 PARALLELISM_ORDER = tuple(STRATEGIES)  # single, dp, ddp, horovod, fsdp, model, hybrid
-PRECISION_ORDER = ("fp32", "amp", "bf16", "bf16_true", "fp8")
+PRECISION_ORDER = NAMES  # the precision package's order
 SPEED_ORDER = ("eager",)  # then the others alphabetically
 # what runs logged before the setting existed had
 SETTING_DEFAULTS = {SPEED: "eager", ACTIVATION_CHECKPOINTING: "none"}
@@ -656,8 +657,8 @@ class _Comparison:
                 row.set("scaling_efficiency", efficiency)
         else:
             notes.append(note)
-        if row.precision != "fp32":
-            fp32_runs = [g for g in self.finished if setting(g.first, PRECISION) == "fp32"]
+        if row.precision != Name.FP32:
+            fp32_runs = [g for g in self.finished if setting(g.first, PRECISION) == Name.FP32]
             fp32, note = self.like_for_like(
                 grouped, mine, fp32_runs, AMP_VARIES, "fp32 run",
                 "no finished fp32 run to take an AMP gain over",
@@ -737,7 +738,7 @@ def _no_baseline_message(records: Sequence[RunRecord], wanted: dict[str, str]) -
     finished = [r for r in records if r.status == FINISHED]
     example = min(  # the likeliest baseline: fp32 with the fewest workers
         finished,
-        key=lambda r: (r.setting(PRECISION) != "fp32", world_size(r) or 0),
+        key=lambda r: (r.setting(PRECISION) != Name.FP32, world_size(r) or 0),
         default=None,
     )
     hint = (

@@ -11,7 +11,8 @@ the model computes in (`compute_dtype`, `effective_name`; FSDP gathers its param
 what its parameters, gradients and optimizer state are stored in (`param_dtype`; its inputs are
 cast to it: `cast_inputs`), what gradients are reduced in (`reduce_dtype`), and how the model is
 made ready before a strategy wraps it (`prepare_model`). It is built once, on the device the
-strategy chose (`accelexp.parallel.connect`), and the strategy gets the object, never the name.
+strategy chose, and owned by the strategy (`Strategy.precision`); the option's names, torch-free,
+are the package's (`accelexp.precision.Name`).
 
 - `bf16_true` (Lightning's "bf16-true"): the model is converted to bf16 before the strategy
   wraps it — weights, hence gradients and optimizer state, in bf16, no fp32 master copy — its
@@ -28,7 +29,7 @@ strategy chose (`accelexp.parallel.connect`), and the strategy gets the object, 
   `nn.Linear` whose dimensions are multiples of 16 (what fp8 matmuls take) computes in fp8 with
   dynamic tensorwise scales, the rest under bf16 autocast; weights and optimizer state fp32. It
   needs fp8 tensor cores, a CUDA GPU of compute capability 8.9 or more (Ada, Hopper, Blackwell):
-  refused elsewhere before any worker starts (`fp8_problem`, asked by
+  refused elsewhere before any worker starts (`accelexp.precision.fp8_problem`, asked by
   `accelexp.config.resources`). torchao is imported only there.
 """
 
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -45,29 +46,11 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from accelexp import record
 from accelexp.errors import ConfigError
+from accelexp.precision import Name, fp8_problem
 
 log = logging.getLogger(__name__)
 
-FP8_CAPABILITY = (8, 9)  # fp8 tensor cores: Ada (8.9), Hopper (9.0) and later
 FP8_MULTIPLE = 16  # torchao's fp8 matmuls take dimensions that are multiples of 16
-
-
-def fp8_problem(device_type: str, capabilities: Sequence[tuple[int, int]] = ()) -> str:
-    """Why `precision=fp8` cannot run on a `device_type` whose GPUs have these compute
-    `capabilities`, and what to use instead; "" when it can (CUDA, every GPU at least 8.9)."""
-    if device_type == "cuda" and capabilities and min(capabilities) >= FP8_CAPABILITY:
-        return ""
-    if device_type != "cuda" or not capabilities:
-        here = "this run has no CUDA GPU: it computes on the CPU"
-    else:
-        low = min(capabilities)
-        here = f"this machine's GPU has compute capability {low[0]}.{low[1]}"
-    need = ".".join(map(str, FP8_CAPABILITY))
-    return (
-        f"precision=fp8 runs its matmuls on fp8 tensor cores, which need an NVIDIA GPU of "
-        f"compute capability >= {need} (Ada, Hopper or newer), and {here}. Use precision=bf16 "
-        f"(bf16 autocast) or precision=bf16_true (bf16 weights: half the model's memory)."
-    )
 
 
 def float8_eligible(module: nn.Module, fqn: str = "") -> bool:
@@ -110,27 +93,27 @@ class Precision:
         init_scale: float = 65536.0,
         growth_interval: int = 2000,
     ) -> None:
-        self.name = name
+        self.name = Name(name)  # an unknown name fails here, naming itself
         self.device_type = device.type
         # what the model computes in; None: fp32
         self.compute_dtype: torch.dtype | None = {
-            "fp32": None,
-            "bf16": torch.bfloat16,
-            "amp": torch.float16 if device.type == "cuda" else torch.bfloat16,
-            "bf16_true": torch.bfloat16,
-            "fp8": torch.bfloat16,  # what fp8 matmuls leave: the rest, under autocast
+            Name.FP32: None,
+            Name.BF16: torch.bfloat16,
+            Name.AMP: torch.float16 if device.type == "cuda" else torch.bfloat16,
+            Name.BF16_TRUE: torch.bfloat16,
+            Name.FP8: torch.bfloat16,  # what fp8 matmuls leave: the rest, under autocast
         }[name]
         # what parameters, gradients and optimizer state are stored in (the inputs are cast to
         # it); BatchNorm's stay fp32 (module docstring)
-        self.param_dtype = torch.bfloat16 if name == "bf16_true" else torch.float32
+        self.param_dtype = torch.bfloat16 if name == Name.BF16_TRUE else torch.float32
         # what autocast computes in: None, no autocast (fp32, and bf16_true: already bf16)
-        self.autocast_dtype = None if name == "bf16_true" else self.compute_dtype
+        self.autocast_dtype = None if name == Name.BF16_TRUE else self.compute_dtype
         self.scaler: torch.amp.GradScaler | None = None
         if self.autocast_dtype is torch.float16:
             self.scaler = torch.amp.GradScaler(
                 device.type, init_scale=init_scale, growth_interval=growth_interval
             )
-        if name == "amp" and device.type != "cuda":
+        if name == Name.AMP and device.type != "cuda":
             log.info("precision=amp on %s: bf16 autocast without a GradScaler", device.type)
 
     @classmethod
@@ -143,7 +126,8 @@ class Precision:
     @property
     def effective_name(self) -> str:
         """The option this run really computes in: `bf16` for `amp` on a CPU, else `name`."""
-        return "bf16" if self.autocast_dtype is torch.bfloat16 and self.name == "amp" else self.name
+        half = self.autocast_dtype is torch.bfloat16 and self.name == Name.AMP
+        return Name.BF16 if half else self.name
 
     @property
     def cast_param_dtype(self) -> torch.dtype | None:
@@ -165,9 +149,9 @@ class Precision:
         """The model as this precision trains it, before a strategy places and wraps it:
         bf16_true's in bf16 (BatchNorm in fp32), fp8's linear layers converted to torchao's
         Float8Linear; as it is otherwise."""
-        if self.name == "bf16_true":
+        if self.name == Name.BF16_TRUE:
             return _convert(model, self.param_dtype)
-        if self.name == "fp8":
+        if self.name == Name.FP8:
             return self._to_float8(model)
         return model
 
