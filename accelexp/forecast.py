@@ -101,16 +101,16 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
     from accelexp.parallel.base import Sync
     from accelexp.speed import SpeedSwitches
 
-    parts = typed(cfg)  # the builders' typed parts; the strategy reads the DictConfig
+    parts = typed(cfg)  # the builders' and the strategy's typed parts
     batch = batch or parts.data.batch_size
     shape = set_shape(parts.data)
     if shape is None:
         raise ConfigError(f"data.name={cfg.data.name}: no known image shape to forecast with")
-    strategy = build_strategy(cfg)
+    strategy = build_strategy(parts)
     sync, shards = strategy.sync, strategy.sync.shards
     if not shards:  # replicas: a worker holds what one process holds, and what its sync adds
-        strategy.sync = Sync(cfg.parallelism)
-    world_size = cfg.parallelism.nprocs
+        strategy.sync = Sync(parts.parallelism)
+    world_size = parts.parallelism.nprocs
     model_cfg = parts.model
     if hasattr(model_cfg, "pretrained"):  # the weights' values play no part
         model_cfg = dataclasses.replace(model_cfg, pretrained=False)

@@ -9,9 +9,10 @@
 
 The typed boundary: `run` validates the DictConfig, then turns it into the schema's dataclasses
 once (`accelexp.config.typed`); the builders take the part they need, typed (`cfg.model`,
-`cfg.data`, `cfg.optimizer`, `cfg.scheduler`, `cfg.speed`...). The DictConfig goes on only where
-a config's tree is the point: the params and identity MLflow records (`resolved`), the strategy
-(`connect`), the run's name and tags, and the diagnosis (which tries its advice as overrides).
+`cfg.data`, `cfg.optimizer`, `cfg.scheduler`, `cfg.speed`...), and the strategy its own
+(`connect(cfg)`: `cfg.parallelism`, `cfg.device`, `cfg.precision`). The DictConfig goes on only
+where a config's tree is the point: the params and identity MLflow records (`resolved`), the
+run's name and tags, and the diagnosis (which tries its advice as overrides).
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def run(
     output_dir = Path(output_dir)
     if parts.threads:
         torch.set_num_threads(parts.threads)
-    strategy = connect(cfg)
+    strategy = connect(parts)
     # compare=lockstep: the turns this job takes (a job of any other sweep passes no gate)
     gate = gate or lockstep_gate.from_environment(
         strategy.shape.rank,
@@ -279,7 +280,7 @@ def _run(
         has_conv2d(model),
         activation_checkpoint.checkpointable(strategy.unwrap(model)),
     )
-    name = run_name(tree, switches.summary(), overrides, run_label(tree.parallelism))
+    name = run_name(tree, switches.summary(), overrides, run_label(cfg.parallelism))
     progress = checkpoint.Progress()
     if state is not None:
         progress = checkpoint.restore(

@@ -66,10 +66,10 @@ def main() -> None:
                 "progress=false",
             ],
         )
-    parts = typed(cfg)  # the builders' typed parts; the strategy reads the DictConfig
+    parts = typed(cfg)  # the builders' and the strategy's typed parts
     seed_everything(cfg.seed)
     data = build_data(parts.data, cfg.seed)
-    strategy = build_strategy(cfg)
+    strategy = build_strategy(typed(cfg))
     strategy.setup()
     device = strategy.device
     reference = build_model(parts.model, data.in_channels, data.num_classes, data.image_size)

@@ -22,11 +22,11 @@ import statistics
 
 import torch
 import torch.nn as nn
-from omegaconf import OmegaConf
 from timing import timed
 
 from accelexp.models import build_model
 from accelexp.parallel.base import Strategy
+from accelexp.parallel.config import ParallelismConfig
 from accelexp.parallel.model import parse_devices
 from accelexp.parallel.pipeline import Pipeline, split_layers
 from accelexp.schema import ResNetConfig, SimpleCNNConfig
@@ -88,7 +88,7 @@ def main() -> None:
         sides[f"chunks={chunks}"] = Pipeline(model, parts, devices, chunks)
         splits[f"chunks={chunks}"] = str(points)
 
-    strategy = Strategy(OmegaConf.create({}), device="cpu")  # one replica: no sync, no wrapping
+    strategy = Strategy(ParallelismConfig(), device="cpu")  # one replica: no sync, no wrapping
 
     def train(model: nn.Module) -> None:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

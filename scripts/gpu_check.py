@@ -64,7 +64,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from mlflow import MlflowClient
-from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -73,8 +72,9 @@ from accelexp.data import BatchLoader, ImageSet  # noqa: E402
 from accelexp.engine import Trainer  # noqa: E402
 from accelexp.models import build_model  # noqa: E402
 from accelexp.parallel.base import Strategy  # noqa: E402
+from accelexp.parallel.config import ParallelismConfig  # noqa: E402
 from accelexp.parallel.pipeline import Pipeline, split_layers  # noqa: E402
-from accelexp.schema import ResNetConfig  # noqa: E402
+from accelexp.schema import AmpConfig, ResNetConfig  # noqa: E402
 from accelexp.speed import set_tf32  # noqa: E402
 
 SMALL_RUN = (
@@ -195,9 +195,9 @@ def check_grad_scaler_overflow(device: torch.device) -> str:
     torch.manual_seed(0)
     init_scale, note = 2.0**10, ""
     strategy = Strategy(
-        OmegaConf.create({"accumulate_steps": 1}),
+        ParallelismConfig(),
         device=device.type,
-        precision={"name": "amp", "init_scale": init_scale, "growth_interval": 1000},
+        precision=AmpConfig(init_scale=init_scale, growth_interval=1000),
     )
     strategy.setup()
     precision = strategy.precision

@@ -58,7 +58,7 @@ def gradients_and_buffers(model, images, labels):
 
 def peak_mb(cfg, model, images) -> float:
     """A steady step's peak of live tensors (MiB): the optimizer's state made by a step before."""
-    strategy = connect(cfg)
+    strategy = connect(typed(cfg))
     optimizer = build_optimizer(typed(cfg).optimizer, model.parameters(), cfg.optimizer.lr)
     trial = Trial(model, optimizer, strategy, images.shape[1:], 10)
     trial.step(images.shape[0])

@@ -233,7 +233,7 @@ def test_a_compute_bound_gpu_run_is_offered_the_speed_switches_and_a_batch_that_
 
 def scale_out(cfg, machine: Machine, world: World | None = None, devices: int = 1):
     """The strategy of `cfg`'s advice for more devices, as if set up in `world` (of one)."""
-    strategy, world = build_strategy(cfg), world or World()
+    strategy, world = build_strategy(typed(cfg)), world or World()
     strategy.world, strategy.shape = world, WorldShape(world.world_size, devices)
     return strategy.scale_out_advice(machine)
 
@@ -332,7 +332,7 @@ def test_a_memory_bound_model_with_blocks_is_offered_activation_checkpointing(co
 
 def test_out_of_memory_offers_activation_checkpointing_to_a_model_with_blocks(compose_cfg):
     cfg = compose_cfg("model=vit_tiny", "device=cpu")
-    strategy = connect(cfg)
+    strategy = connect(typed(cfg))
     error = RuntimeError("DefaultCPUAllocator: can't allocate memory")
     for checkpointable, in_effect, offered in [
         (False, "none", False), (True, "none", True), (True, "full", False),
@@ -423,7 +423,7 @@ def test_the_measured_path_from_recorded_samples(compose_cfg, monkeypatch):
     """What RunDiagnosis makes of each epoch's contention figures: the epoch that left the
     fewest cores idle decides. Figures recorded on this 2-core machine (machine.py)."""
     cfg = compose_cfg("threads=1")
-    strategy = connect(cfg)
+    strategy = connect(typed(cfg))
     diagnosis = RunDiagnosis(strategy, cfg, flops_per_sample=None)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the run's, as train.run sets
     quiet = NoiseSample(2.0, 0.99, 0.03, 2, 0.0, 1.1, 1.1, job_cores=1.01)
@@ -481,7 +481,7 @@ def test_in_a_launchers_world_more_workers_are_its_own_flags(
     for name, value in LAUNCHERS[launcher].items():
         monkeypatch.setenv(name, value)
     cfg = compose_cfg("parallelism=ddp")
-    strategy = build_strategy(cfg)
+    strategy = build_strategy(typed(cfg))
     strategy.world = world = strategy.sync.join()  # reads the launcher's environment
     assert (world.world_size, world.per_host, world.hosts) == (4, 2, 2)
     strategy.shape = WorldShape(world.world_size)

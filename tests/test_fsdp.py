@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from conftest import compose_config, new_store, only_run
 
-from accelexp.config import ConfigError, validate
+from accelexp.config import ConfigError, typed, validate
 from accelexp.errors import AccelexpError
 from accelexp.launch import launch
 from accelexp.parallel import connect
@@ -67,7 +67,7 @@ def test_fsdp_compiles_each_layer_before_sharding_it(compose_cfg):
     """speed.compile under fsdp: each layer with parameters is a compiled module with FSDP's
     hooks outside it; the outputs and gradients are the eager model's, and the state dict (what
     best.pt holds) keeps the plain model's names."""
-    strategy = connect(compose_cfg(*FSDP, "parallelism.nprocs=1", "model.dropout=0"))
+    strategy = connect(typed(compose_cfg(*FSDP, "parallelism.nprocs=1", "model.dropout=0")))
     try:
         torch.manual_seed(0)
         reference = nn.Sequential(
@@ -119,7 +119,7 @@ def test_fsdp_computes_in_the_precisions_dtype_over_fp32_master_weights(compose_
     """precision=bf16: FSDP casts each unit's gathered weights to bf16 for forward and backward;
     the shards it keeps (what the optimizer steps) and the reduced gradients stay fp32."""
     # a world of one, in this process
-    strategy = connect(compose_cfg(*FSDP, "parallelism.nprocs=1", "precision=bf16"))
+    strategy = connect(typed(compose_cfg(*FSDP, "parallelism.nprocs=1", "precision=bf16")))
     try:
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
         model = strategy.wrap_model(model)
@@ -154,7 +154,7 @@ def test_fsdp_keeps_batchnorm_in_fp32_under_mixed_precision(granularity, compose
     like the convolutions', batch_norm refuses them: "expected scalar type BFloat16 but found
     Float"), so outputs, gradients and running statistics match the unsharded model's."""
     overrides = (*FSDP, "parallelism.nprocs=1", "precision=bf16")
-    strategy = connect(compose_cfg(*overrides, f"parallelism.granularity={granularity}"))
+    strategy = connect(typed(compose_cfg(*overrides, f"parallelism.granularity={granularity}")))
     try:
         torch.manual_seed(0)
         reference = nn.Sequential(

@@ -18,7 +18,7 @@ from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 
-from accelexp.config import register_configs
+from accelexp.config import register_configs, typed
 from accelexp.config.validate import validate
 from accelexp.diagnosis.max_batch import Trial, after_training, not_searched_on, search
 from accelexp.parallel import connect
@@ -311,7 +311,7 @@ def test_the_plot_has_a_panel_per_model_and_a_style_per_parallelism() -> None:
 def test_no_search_is_asked_by_default_and_a_cpu_never_searches(tracking_uri: str) -> None:
     cfg = compose_config(tracking_uri)
     assert cfg.max_batch.search is False
-    strategy = connect(compose_config(tracking_uri, "device=cpu"))
+    strategy = connect(typed(compose_config(tracking_uri, "device=cpu")))
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     tracker = Tracker(cfg.mlflow, enabled=False)
@@ -324,7 +324,7 @@ def test_no_search_is_asked_by_default_and_a_cpu_never_searches(tracking_uri: st
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the search runs on a CUDA GPU")
 def test_on_a_gpu_the_batch_doubles_until_it_runs_out_of_memory(tracking_uri: str) -> None:
-    strategy = connect(compose_config(tracking_uri, "device=cuda", "precision=amp"))
+    strategy = connect(typed(compose_config(tracking_uri, "device=cuda", "precision=amp")))
     sample = (3, 224, 224)  # 0.6 MB an image: the inputs alone fill any GPU within 20 doublings
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 224 * 224, 10)).to(strategy.device)
     optimizer = torch.optim.AdamW(model.parameters())

@@ -24,7 +24,7 @@ from conftest import (
 from mlflow import MlflowClient
 
 from accelexp import parallel
-from accelexp.config import ConfigError
+from accelexp.config import ConfigError, typed
 from accelexp.launch import WorkerFailedError, exits, failures, launch
 from accelexp.launch.output import ConsoleFilter
 from accelexp.parallel import build_strategy, connect
@@ -66,7 +66,7 @@ def test_ddp_fp16_compression_sends_the_gradients_as_fp16(hook, compressed, comp
     when the comm hook compresses: DDP allreduces through its hook in a world of one process too.
     (Horovod skips its allreduce in a world of one, so its compression shows in two workers only.)
     """
-    strategy = connect(compose_cfg("parallelism=ddp", f"parallelism.comm_hook={hook}"))
+    strategy = connect(typed(compose_cfg("parallelism=ddp", f"parallelism.comm_hook={hook}")))
     try:
         torch.manual_seed(0)
         model = strategy.wrap_model(torch.nn.Linear(64, 8))
@@ -356,7 +356,9 @@ def test_the_world_is_read_from_the_launchers_environment(env, expected):
 
 @pytest.mark.parametrize(("rule", "expected"), [("linear", 0.8), ("sqrt", 0.4), ("none", 0.2)])
 def test_lr_scaling_rules(compose_cfg, rule, expected):
-    strategy = build_strategy(compose_cfg("parallelism=ddp", f"parallelism.lr_scaling={rule}"))
+    strategy = build_strategy(
+        typed(compose_cfg("parallelism=ddp", f"parallelism.lr_scaling={rule}"))
+    )
     strategy.shape = WorldShape(replicas=2)
     strategy.cfg.accumulate_steps = 2  # 4 times the samples per step
     assert strategy.scale_lr(0.2) == pytest.approx(expected)

@@ -21,7 +21,7 @@ from conftest import (
 )
 from mlflow import MlflowClient
 
-from accelexp.config import ConfigError, validate
+from accelexp.config import ConfigError, typed, validate
 from accelexp.launch import launch
 from accelexp.models import build_model, layer_sequence
 from accelexp.parallel import build_strategy
@@ -242,7 +242,9 @@ def test_one_hybrid_replica_trains_in_this_process(tmp_path, tracking_uri):
 
 
 def test_the_world_shape_drives_the_sampler_the_lr_and_the_device_count(compose_cfg):
-    strategy = build_strategy(compose_cfg("parallelism=hybrid", "parallelism.lr_scaling=linear"))
+    strategy = build_strategy(
+        typed(compose_cfg("parallelism=hybrid", "parallelism.lr_scaling=linear"))
+    )
     strategy.shape = WorldShape(replicas=2, devices_per_replica=2, rank=1)
     assert strategy.shape.world_size == 4  # devices: the per-device figures divide by it
     assert strategy.scale_lr(0.1) == pytest.approx(0.2)  # 2 replicas' batches per step
@@ -309,7 +311,7 @@ def test_devices_that_do_not_exist_are_refused(devices, message):
 def test_more_devices_than_stages_is_refused(compose_cfg):
     cfg = compose_cfg("parallelism=model", "parallelism.devices=[cpu,cpu,cpu]")
     with pytest.raises(ConfigError, match=r"lists 3 devices for parallelism\.stages=2"):
-        build_strategy(cfg).setup()
+        build_strategy(typed(cfg)).setup()
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 from omegaconf import DictConfig
 
+from accelexp.config import typed
 from accelexp.diagnosis.profiler import StepProfiler, hta_figures
 from accelexp.parallel.base import Strategy, Sync
 from accelexp.parallel.world import WorldShape
@@ -81,7 +82,7 @@ def profiled(compose_cfg, tmp_path):
     cfg = compose_cfg("profile=true", *SCHEDULE)
     tracker = started_tracker(cfg)
     profiler = StepProfiler(cfg, tmp_path / "out", rank=0, device=torch.device("cpu"))
-    collected = train(profiler, Strategy(cfg.parallelism, device="cpu"), tracker)
+    collected = train(profiler, Strategy(typed(cfg).parallelism, device="cpu"), tracker)
     tracker.end()
     return cfg, tracker, collected, tmp_path / "out"
 
@@ -115,7 +116,7 @@ def test_only_the_configured_epoch_is_profiled(compose_cfg, tmp_path):
     cfg = compose_cfg("profile=true", *SCHEDULE)
     tracker = started_tracker(cfg)
     profiler = StepProfiler(cfg, tmp_path / "out", rank=0, device=torch.device("cpu"))
-    strategy = Strategy(cfg.parallelism, device="cpu")
+    strategy = Strategy(typed(cfg).parallelism, device="cpu")
     assert isinstance(profiler.epoch(1), contextlib.nullcontext)
     assert isinstance(profiler.epoch(3), contextlib.nullcontext)
     client = MlflowClient(tracking_uri=cfg.mlflow.tracking_uri)
@@ -133,7 +134,7 @@ def test_disabled_profiler_does_nothing(compose_cfg, tmp_path):
     assert not profiler.enabled
     assert isinstance(profiler.epoch(2), contextlib.nullcontext)
 
-    assert train(profiler, Strategy(cfg.parallelism, device="cpu"), tracker) == [{}, {}]
+    assert train(profiler, Strategy(typed(cfg).parallelism, device="cpu"), tracker) == [{}, {}]
     client = MlflowClient(tracking_uri=cfg.mlflow.tracking_uri)
     assert client.list_artifacts(tracker.run_id) == []
     assert "hta" not in client.get_run(tracker.run_id).data.tags
@@ -145,7 +146,7 @@ def test_an_epoch_too_short_to_record_says_so(compose_cfg, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="accelexp.diagnosis.profiler"):
         profiler = StepProfiler(cfg, tmp_path / "out", rank=0, device=torch.device("cpu"))
         tracker = started_tracker(cfg)
-        train(profiler, Strategy(cfg.parallelism, device="cpu"), tracker, steps=1)
+        train(profiler, Strategy(typed(cfg).parallelism, device="cpu"), tracker, steps=1)
     assert "fewer than profiler.active=2 steps are recorded" in caplog.text
     tags = MlflowClient(tracking_uri=cfg.mlflow.tracking_uri).get_run(tracker.run_id).data.tags
     assert tags["hta"] == (
@@ -170,7 +171,8 @@ class Rank0Sync(Sync):
 
 def rank_of_two(cfg: DictConfig, rank: int) -> Strategy:
     """One rank of a world of two whose gather is done by hand (`Rank0Sync`, `Rank1Sync`)."""
-    strategy = Strategy(cfg.parallelism, "cpu", sync=(Rank0Sync, Rank1Sync)[rank](cfg.parallelism))
+    parallelism = typed(cfg).parallelism
+    strategy = Strategy(parallelism, "cpu", sync=(Rank0Sync, Rank1Sync)[rank](parallelism))
     strategy.shape = WorldShape(replicas=2, rank=rank)
     return strategy
 
@@ -215,7 +217,7 @@ def test_on_a_gpu_hta_figures_are_logged(compose_cfg, tmp_path):
     cfg = compose_cfg("profile=true", *SCHEDULE, "profiler.active=3")
     tracker = started_tracker(cfg)
     profiler = StepProfiler(cfg, tmp_path / "out", rank=0, device=torch.device("cuda"))
-    strategy = Strategy(cfg.parallelism, device="cuda")
+    strategy = Strategy(typed(cfg).parallelism, device="cuda")
     metrics = train(profiler, strategy, tracker, device="cuda")[1]
     run = MlflowClient(tracking_uri=cfg.mlflow.tracking_uri).get_run(tracker.run_id)
     assert run.data.tags["hta"].startswith("run on the traces of 1 rank(s)"), run.data.tags["hta"]

@@ -23,7 +23,6 @@ from conftest import (
     speed_cfg,
 )
 from mlflow import MlflowClient
-from omegaconf import OmegaConf
 
 from accelexp.config import typed
 from accelexp.engine import eager_warmup_steps
@@ -193,7 +192,7 @@ def test_a_compiled_run_reports_its_compile_time_apart_from_its_throughput(compo
 
 def test_model_parallel_compiles_each_stage_and_keeps_the_outputs(compose_cfg):
     cfg = compose_cfg("parallelism=model", "parallelism.stages=2", "model.dropout=0")
-    strategy = connect(cfg)
+    strategy = connect(typed(cfg))
     torch.manual_seed(0)
     model = build_model(typed(cfg).model, 3, 10, 16)
     expected = model.eval()(torch.ones(4, 3, 16, 16))
@@ -246,6 +245,7 @@ def linear_trainer(batches: int, warmup_steps: int = 0):
     from accelexp.data import BatchLoader, ImageSet
     from accelexp.engine import Trainer
     from accelexp.parallel.base import Strategy
+    from accelexp.parallel.config import ParallelismConfig
 
     torch.manual_seed(0)
     n = 8 * batches
@@ -254,7 +254,7 @@ def linear_trainer(batches: int, warmup_steps: int = 0):
                          CPU, [0.5] * 3, [0.25] * 3)  # fmt: skip
     model = nn.Sequential(nn.Flatten(), nn.Linear(192, 4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    strategy = Strategy(OmegaConf.create({"accumulate_steps": 1}))  # one device, alone
+    strategy = Strategy(ParallelismConfig())  # one device, alone
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     trainer = Trainer(model, optimizer, scheduler, strategy, progress=False,
                       warmup_steps=warmup_steps)  # fmt: skip

@@ -78,7 +78,7 @@ def test_bf16_true_trains_bf16_weights_and_optimizer_state(compose_cfg):
     BatchNorm's fp32), the batch is cast to bf16, nothing is autocast or scaled, and a few
     steps on one batch bring its loss down."""
     cfg = compose_cfg("precision=bf16_true", "model=resnet18", "optimizer=adamw")
-    strategy = connect(cfg)
+    strategy = connect(typed(cfg))
     precision = strategy.precision
     assert (precision.param_dtype, precision.compute_dtype) == (torch.bfloat16, torch.bfloat16)
     assert precision.autocast_dtype is None and precision.scaler is None

@@ -35,10 +35,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from accelexp.config import ConfigError, validate
+from accelexp.config.typed import typed
 from accelexp.errors import AccelexpError
 from accelexp.launch.failures import OomKills, clear, failure_message
 from accelexp.launch.output import WorkerOutput
 from accelexp.parallel import composition
+from accelexp.parallel.config import DDPConfig, FSDPConfig, ParallelismConfig
 from accelexp.parallel.rules import several_workers
 from accelexp.parallel.world import current_world, port_in_use
 from accelexp.processes import JOB_ENV, die_with_parent, kill_job, new_job_token, stop_job
@@ -72,14 +74,15 @@ def launch(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = (
                 world.rank,
             )
         return run(cfg, output_dir, overrides)
-    placement, sync = composition(cfg.parallelism)
+    parallelism = typed(cfg).parallelism  # the strategy's part, typed
+    placement, sync = composition(parallelism)
     if sync.launcher is None:
         raise ConfigError(
-            f"parallelism={cfg.parallelism.name} runs in one process, but parallelism.nprocs="
+            f"parallelism={parallelism.name} runs in one process, but parallelism.nprocs="
             f"{nprocs}: use parallelism={_one_of(several_workers())} for several workers."
         )
     gpus = torch.cuda.device_count() if cfg.device != "cpu" else 0
-    per_worker = placement.devices_per_worker(cfg.parallelism)
+    per_worker = placement.devices_per_worker(parallelism)
     if gpus and nprocs * per_worker > gpus:
         raise AccelexpError(
             f"parallelism.nprocs={nprocs} workers with {per_worker} GPU(s) each, but this "
@@ -91,8 +94,8 @@ def launch(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = (
     if cfg.threads is None and not gpus:  # workers share this machine's cores
         cfg.threads = max(1, len(os.sched_getaffinity(0)) // nprocs)
     spec = _write_spec(cfg, output_dir, overrides)
-    command = LAUNCHERS[sync.launcher](cfg.parallelism, spec)
-    what = f"{nprocs} {cfg.parallelism.name} workers"
+    command = LAUNCHERS[sync.launcher](parallelism, spec)
+    what = f"{nprocs} {parallelism.name} workers"
     log.info("Starting %s: %s", what, " ".join(command))
     oom_kills = OomKills.now()
     with WorkerOutput(spec, console=sys.stderr) as output:
@@ -119,7 +122,7 @@ def _write_spec(cfg: DictConfig, output_dir: Path, overrides: Sequence[str]) -> 
     return spec
 
 
-def _torchrun(cfg: DictConfig, spec: Path) -> list[str]:
+def _torchrun(cfg: DDPConfig | FSDPConfig, spec: Path) -> list[str]:
     if cfg.master_port is not None:
         if port_in_use(cfg.master_port):
             raise AccelexpError(
@@ -136,7 +139,7 @@ def _torchrun(cfg: DictConfig, spec: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _horovodrun(cfg: DictConfig, spec: Path) -> list[str]:
+def _horovodrun(cfg: ParallelismConfig, spec: Path) -> list[str]:
     if importlib.util.find_spec("horovod") is None:  # accelexp.launch.horovodrun runs it
         raise AccelexpError(
             "parallelism=horovod needs Horovod (and its horovodrun), which is not installed in "

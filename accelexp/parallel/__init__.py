@@ -14,11 +14,15 @@ option of `conf/parallelism/` is a preset of a pair, and its other keys belong t
 | model   | stages over devices (`model.Stages`)      | none                             |
 | hybrid  | stages over devices                       | ddp or horovod: its choice       |
 
-`composition(cfg)` loads the classes the two keys name; `build_strategy(cfg)` composes them into
-the `base.Strategy` the loop talks to, which owns the run's `Precision`; `connect(cfg)` sets it
-up. A pair its preset does not offer is refused by the strategy's rules (`rules.problems`). The
-modules are imported lazily, so torch.distributed and Horovod load only in the runs that use
-them, and this table is read without torch (the config checks and the report order by it).
+`composition(parallelism)` loads the classes the two keys name; `build_strategy(cfg)` composes
+them into the `base.Strategy` the loop talks to, which owns the run's `Precision`; `connect(cfg)`
+sets it up. Both take the run's typed config (`accelexp.schema.Config`, as `config.typed` makes
+it at the typed boundary): the strategy, its placement and its sync hold the typed
+`parallelism` part (`config.py`'s dataclass of its preset) and read its keys as attributes. A
+pair its preset does not offer is refused by the strategy's rules (`rules.problems`, which
+validation asks of the DictConfig, before it is typed). The modules are imported lazily, so
+torch.distributed and Horovod load only in the runs that use them, and this table is read
+without torch (the config checks and the report order by it).
 
 Each preset's keys are a dataclass of `config.py` (`Preset.schema`), which the config's schema
 registers for Hydra: this package owns the `parallelism` config group whole.
@@ -28,8 +32,6 @@ from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, NamedTuple
-
-from omegaconf import DictConfig
 
 from accelexp.errors import ConfigError
 from accelexp.parallel.config import (
@@ -43,7 +45,10 @@ from accelexp.parallel.config import (
 )
 
 if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
     from accelexp.parallel.base import Placement, Strategy, Sync
+    from accelexp.schema import Config
 
 PLACEMENTS = {
     "one device": "accelexp.parallel.base:Placement",
@@ -112,25 +117,27 @@ def _load(path: str) -> type:
     return getattr(importlib.import_module(module), cls)
 
 
-def composition(cfg: DictConfig) -> tuple[type[Placement], type[Sync]]:
+def composition(cfg: ParallelismConfig | DictConfig) -> tuple[type[Placement], type[Sync]]:
     """The placement and sync classes the `parallelism` config `cfg` names (`cfg.placement`,
-    `cfg.sync`); whether its preset offers the pair is `rules.problems`'s to say."""
+    `cfg.sync`), typed or not; whether its preset offers the pair is `rules.problems`'s to say."""
     if cfg.name not in STRATEGIES:
         raise ConfigError(
             f"parallelism.name={cfg.name!r} is unknown: expected one of {sorted(STRATEGIES)}"
         )
     for key, table in (("placement", PLACEMENTS), ("sync", SYNCS)):
-        if cfg[key] not in table:
+        if getattr(cfg, key) not in table:
             raise ConfigError(
-                f"parallelism.{key}={cfg[key]!r} is unknown: expected one of {', '.join(table)}."
+                f"parallelism.{key}={getattr(cfg, key)!r} is unknown: expected one of "
+                f"{', '.join(table)}."
             )
     return _load(PLACEMENTS[cfg.placement]), _load(SYNCS[cfg.sync])
 
 
-def run_label(cfg: DictConfig) -> dict[str, str]:
+def run_label(cfg: ParallelismConfig | DictConfig) -> dict[str, str]:
     """What a run's name says of its parallelism, by the key that sets each part: the
     strategy's own description (e.g. {'parallelism': 'hybrid', 'parallelism.sync': 'ddp',
-    'parallelism.nprocs': 'np2', 'parallelism.chunks': 's2c1'})."""
+    'parallelism.nprocs': 'np2', 'parallelism.chunks': 's2c1'}). Of the typed part, or of the
+    DictConfig a sweep's callbacks and a failed job's record hold: read by attribute alike."""
     placement, sync = composition(cfg)
     label = {"parallelism": cfg.name}
     if len(STRATEGIES[cfg.name].syncs) > 1:  # the sync is the preset's choice: say which
@@ -140,8 +147,9 @@ def run_label(cfg: DictConfig) -> dict[str, str]:
     return label | placement.label(cfg) | sync.label(cfg)
 
 
-def build_strategy(cfg: DictConfig) -> Strategy:
-    """The strategy of the whole run config `cfg`, with its precision, not yet set up."""
+def build_strategy(cfg: Config) -> Strategy:
+    """The strategy of the whole run config `cfg`, typed (`config.typed`), with its precision,
+    not yet set up."""
     from accelexp.parallel.base import Strategy
 
     placement, sync = composition(cfg.parallelism)
@@ -154,7 +162,7 @@ def build_strategy(cfg: DictConfig) -> Strategy:
     )
 
 
-def connect(cfg: DictConfig) -> Strategy:
+def connect(cfg: Config) -> Strategy:
     """The run's strategy, set up (its world joined, its devices chosen), its `Precision`
     built on the device it chose (`Strategy.precision`): the one place the two are paired, as
     Lightning Fabric's connector pairs a strategy with its precision. The loop, the step and

@@ -23,21 +23,20 @@ import functools
 import itertools
 import math
 import resource
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
 from torch.utils.data import DistributedSampler, Sampler
 
 from accelexp import record
 from accelexp.advice import Advice, command
 from accelexp.errors import AccelexpError
 from accelexp.machine import Machine
+from accelexp.parallel.config import ParallelismConfig
 from accelexp.parallel.world import World, WorldShape
-from accelexp.precision import Name
 from accelexp.precision.runtime import Precision
+from accelexp.schema import PrecisionConfig
 from accelexp.timing import CommTime
 
 
@@ -111,19 +110,20 @@ class Placement:
     # scale-out advice to a run of one process)
     replicated_as = "ddp"
 
-    def __init__(self, cfg: DictConfig, device_request: str = "auto") -> None:
+    def __init__(self, cfg: ParallelismConfig, device_request: str = "auto") -> None:
         self.cfg = cfg
         self.device_request = device_request
         self.devices = [torch.device("cpu")]
 
     @classmethod
-    def devices_per_worker(cls, cfg: DictConfig) -> int:
+    def devices_per_worker(cls, cfg: ParallelismConfig) -> int:
         """GPUs each worker process takes, for the launcher's check of what the machine has."""
         return 1
 
     @classmethod
-    def label(cls, cfg: DictConfig) -> dict[str, str]:
-        """What a run's name shows of this placement, by the key that sets each part."""
+    def label(cls, cfg: ParallelismConfig) -> dict[str, str]:
+        """What a run's name shows of this placement, by the key that sets each part (`cfg`
+        typed, or a sweep's DictConfig: read by attribute)."""
         return {}
 
     def choose_devices(self, local_rank: int) -> list[torch.device]:
@@ -167,12 +167,12 @@ class Sync:
     launcher: str | None = None  # what starts `nprocs` workers (accelexp.launch), or None
     shards = False  # True: each replica holds a shard of the model, not a copy
 
-    def __init__(self, cfg: DictConfig) -> None:
+    def __init__(self, cfg: ParallelismConfig) -> None:
         self.cfg = cfg
         self.device = torch.device("cpu")  # the replica's (first) device, once `start` has it
 
     @classmethod
-    def label(cls, cfg: DictConfig) -> dict[str, str]:
+    def label(cls, cfg: ParallelismConfig) -> dict[str, str]:
         """What a run's name shows of this sync, by the key that sets each part."""
         return {}
 
@@ -281,24 +281,25 @@ class Sync:
 
 class Strategy:
     """A placement × a sync, as the training loop sees it, and the run's `precision` (the
-    `precision` config group's option, fp32 when none is given). `Strategy(cfg)`: one device,
-    alone, in fp32."""
+    `precision` config group's option, fp32 when none is given). `cfg`: the typed `parallelism`
+    part (its preset's dataclass). `Strategy(ParallelismConfig())`: one device, alone, in
+    fp32."""
 
     name = "single"
 
     def __init__(
         self,
-        cfg: DictConfig,
+        cfg: ParallelismConfig,
         device: str = "auto",
         placement: Placement | None = None,
         sync: Sync | None = None,
-        precision: Mapping[str, Any] | None = None,
+        precision: PrecisionConfig | None = None,
     ) -> None:
         self.cfg = cfg
-        self._precision_cfg = precision or {"name": Name.FP32}
+        self._precision_cfg = precision or PrecisionConfig()
         self.placement = placement or Placement(cfg, device)
         self.sync = sync or Sync(cfg)
-        self.name = cfg.get("name", self.name)
+        self.name = cfg.name
         self.world = World()  # the world `setup` joined
         self.shape = WorldShape()
         self.device = torch.device("cpu")  # where inputs go: the (first stage's) device

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from accelexp.parallel.config import DDPConfig
 from accelexp.parallel.distributed import TorchDistributed
 from accelexp.precision.runtime import Precision
 from accelexp.timing import CommTime
@@ -69,8 +70,9 @@ class TimedAllreduce:
 
 class DDPSync(TorchDistributed):
     name = "ddp"
+    cfg: DDPConfig  # hybrid's HybridConfig is one
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: DDPConfig) -> None:
         super().__init__(cfg)
         self._timed: TimedAllreduce | None = None
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Sync
+from accelexp.parallel.config import DDPConfig, FSDPConfig
 from accelexp.parallel.world import World, WorldShape, current_world, free_port, slurm_master_addr
 
 TIMEOUT = datetime.timedelta(minutes=10)
@@ -25,8 +26,9 @@ class TorchDistributed(Sync):
     """A world of processes through torch.distributed; subclasses say how replicas agree."""
 
     launcher = "torchrun"
+    cfg: DDPConfig | FSDPConfig  # hybrid's a DDPConfig too
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: DDPConfig | FSDPConfig) -> None:
         super().__init__(cfg)
         self._owns_group = False
         self.world = World()

@@ -16,11 +16,13 @@ import torch.nn as nn
 
 from accelexp.errors import AccelexpError, ConfigError
 from accelexp.parallel.base import Placement, resolve_device
+from accelexp.parallel.config import DataParallelConfig
 
 log = logging.getLogger(__name__)
 
 
 class DataParallelPlacement(Placement):
+    cfg: DataParallelConfig
     name = "dataparallel"
 
     def choose_devices(self, local_rank: int) -> list[torch.device]:

@@ -64,6 +64,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from accelexp import record
 from accelexp.models import layer_sequence
+from accelexp.parallel.config import FSDPConfig
 from accelexp.parallel.distributed import TorchDistributed
 from accelexp.precision.runtime import Precision
 
@@ -99,6 +100,7 @@ def compile_layers(model: nn.Module, mode: str) -> int:
 
 
 class FSDPSync(TorchDistributed):
+    cfg: FSDPConfig
     name = "fsdp"
     shards = True
     compiles_units = True

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from accelexp.errors import AccelexpError
 from accelexp.parallel.base import Sync
+from accelexp.parallel.config import HorovodConfig
 from accelexp.parallel.world import World, current_world
 from accelexp.precision.runtime import Precision
 from accelexp.timing import CommTime
@@ -94,8 +95,9 @@ def contiguous(compression: type) -> type:
 class HorovodSync(Sync):
     name = "horovod"
     launcher = "horovodrun"
+    cfg: HorovodConfig  # hybrid's HybridConfig is one
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: HorovodConfig) -> None:
         super().__init__(cfg)
         self.hvd = _import_horovod()
         self.comm = CommTime()

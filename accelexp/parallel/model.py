@@ -24,11 +24,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
 
 from accelexp import record
 from accelexp.errors import ConfigError
 from accelexp.parallel.base import Placement, peak_memory_mb, resolve_device, state_bytes
+from accelexp.parallel.config import HybridConfig, ModelParallelConfig
 from accelexp.parallel.pipeline import Pipeline, split_layers
 
 
@@ -67,24 +67,28 @@ def parse_devices(requested: Sequence[str]) -> list[torch.device]:
 
 
 class Stages(Placement):
-    """Each replica's model is a `Pipeline` of stages over this worker's devices."""
+    """Each replica's model is a `Pipeline` of stages over this worker's devices. Its config:
+    `model`'s (`devices`) or `hybrid`'s (`devices_per_replica`), each key the other lacks read
+    with a default."""
 
+    cfg: ModelParallelConfig | HybridConfig
     name = "stages"
     replicated_as = "hybrid"
     pipeline: Pipeline | None = None  # set by place()
 
     @classmethod
-    def devices_per_worker(cls, cfg: DictConfig) -> int:
-        return cfg.get("devices_per_replica") or 1
+    def devices_per_worker(cls, cfg: ModelParallelConfig | HybridConfig) -> int:
+        return getattr(cfg, "devices_per_replica", None) or 1
 
     @classmethod
-    def label(cls, cfg: DictConfig) -> dict[str, str]:
-        stages = cfg.stages or cfg.get("devices_per_replica") or ""
+    def label(cls, cfg: ModelParallelConfig | HybridConfig) -> dict[str, str]:
+        stages = cfg.stages or getattr(cfg, "devices_per_replica", None) or ""
         return {"parallelism.chunks": f"s{stages}c{cfg.chunks}"}
 
     def choose_devices(self, local_rank: int) -> list[torch.device]:
         cfg = self.cfg
-        requested, per_replica = cfg.get("devices"), cfg.get("devices_per_replica")
+        requested = getattr(cfg, "devices", None)
+        per_replica = getattr(cfg, "devices_per_replica", None)
         stages = cfg.stages or (len(requested) if requested else per_replica or 2)
         if requested:
             self.devices = self._listed(requested, stages)
@@ -94,7 +98,7 @@ class Stages(Placement):
             return self.devices
         gpus = torch.cuda.device_count()
         per_replica = per_replica or gpus
-        first = local_rank * per_replica if cfg.get("devices_per_replica") else 0
+        first = local_rank * per_replica if getattr(cfg, "devices_per_replica", None) else 0
         if first + per_replica > gpus:
             raise ConfigError(
                 f"replica {local_rank} on this machine needs GPUs {first}..."

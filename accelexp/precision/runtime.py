@@ -117,11 +117,14 @@ class Precision:
             log.info("precision=amp on %s: bf16 autocast without a GradScaler", device.type)
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any], device: torch.device) -> Precision:
-        """From the `precision` config group: its name, and the GradScaler's keys where the
-        option has them (`amp`)."""
-        scaler = {key: cfg[key] for key in ("init_scale", "growth_interval") if key in cfg}
-        return cls(cfg["name"], device, **scaler)
+    def from_config(cls, cfg: Any, device: torch.device) -> Precision:
+        """From the `precision` config group's option, typed (`accelexp.schema.PrecisionConfig`,
+        which imports this package's names: not imported back here): its name, and the
+        GradScaler's keys where the option has them (`AmpConfig`)."""
+        scaler = {
+            key: getattr(cfg, key) for key in ("init_scale", "growth_interval") if hasattr(cfg, key)
+        }
+        return cls(cfg.name, device, **scaler)
 
     @property
     def effective_name(self) -> str:
