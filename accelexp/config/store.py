@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import functools
+
 from hydra.core.config_store import ConfigStore
 
 from accelexp.config.schema import SCHEMAS
 from accelexp.schema import Config
 
 
+@functools.cache  # once a process: the store is Hydra's singleton (tests compose hundreds of times)
 def register_configs() -> None:
     """Store the schemas in Hydra's ConfigStore (idempotent)."""
     cs = ConfigStore.instance()
