@@ -142,8 +142,9 @@ def _torchrun(cfg: DDPConfig | FSDPConfig, spec: Path) -> list[str]:
 def _horovodrun(cfg: ParallelismConfig, spec: Path) -> list[str]:
     if importlib.util.find_spec("horovod") is None:  # accelexp.launch.horovodrun runs it
         raise AccelexpError(
-            "parallelism=horovod needs Horovod (and its horovodrun), which is not installed in "
-            f"{Path(sys.executable).parent.parent}. Run the setup, which builds it: `make setup`."
+            f"parallelism={cfg.name} starts its workers with horovodrun, which needs Horovod, not "
+            f"installed in {Path(sys.executable).parent.parent}. Run the setup, which builds it: "
+            "`make setup`."
         )
     return [
         sys.executable, "-m", "accelexp.launch.horovodrun", str(spec),
