@@ -123,12 +123,16 @@ def mlflow_template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def store_uri(directory: Path) -> str:
+    """The tracking URI of the MLflow store `new_store` makes in `directory`."""
+    return f"sqlite:///{directory / 'mlflow.db'}"
+
+
 def new_store(directory: Path, template: Path) -> str:
     """A fresh MLflow store in `directory`; returns its tracking URI."""
     directory.mkdir(parents=True, exist_ok=True)
-    db = directory / "mlflow.db"
-    shutil.copyfile(template, db)
-    return f"sqlite:///{db}"
+    shutil.copyfile(template, directory / "mlflow.db")
+    return store_uri(directory)
 
 
 def shared_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -137,44 +141,62 @@ def shared_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
 
 
+def built_once(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]
+) -> tuple[Path, object]:
+    """(the folder `name`, what `build(folder)` returned), built once per test session whichever
+    xdist workers ask for it: the first builds it under a lock, the others wait and read it back
+    (pytest-xdist's recipe for a session fixture computed once; a module fixture is otherwise
+    built again in each worker its tests land on). `build` returns JSON, or a finished
+    process (`subprocess.CompletedProcess`: kept as its code and output). A build that raised is
+    tried again by the next test that asks (and fails as it did)."""
+    folder = shared_folder(tmp_path_factory) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    kept = folder / "built.json"
+    with open(folder / "lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not kept.is_file():
+            value = build(folder)
+            if isinstance(value, subprocess.CompletedProcess):
+                value = {"process": [value.args, value.returncode, value.stdout, value.stderr]}
+            kept.write_text(json.dumps(value))
+    value = json.loads(kept.read_text())
+    if isinstance(value, dict) and list(value) == ["process"]:
+        value = subprocess.CompletedProcess(*value["process"])
+    return folder, value
+
+
 @pytest.fixture(scope="session")
 def reference_folder(
     tmp_path_factory: pytest.TempPathFactory, mlflow_template_db: Path
-) -> Callable[..., Path]:
-    """`reference_folder(*overrides)` -> the folder of the tiny run the overrides compose, trained
-    in this process once per test session whichever tests and workers ask for it: the first
-    trains it under a lock, the others find it done (pytest-xdist's recipe for a session fixture
-    computed once). It holds the run folder `out/`, the MLflow store `mlflow.db` and the final
-    metrics `metrics.json`."""
+) -> Callable[..., tuple[Path, dict[str, float]]]:
+    """`reference_folder(*overrides)` -> (the folder, the final metrics) of the tiny run the
+    overrides compose, trained in this process once per test session whichever tests and workers
+    ask for it (`built_once`). The folder holds the run folder `out/` and the MLflow store
+    `mlflow.db`."""
     from accelexp.launch import launch
 
-    root = shared_folder(tmp_path_factory) / "references"
+    def trained(*overrides: str) -> tuple[Path, dict[str, float]]:
+        def train(folder: Path) -> dict[str, float]:
+            uri = new_store(folder, mlflow_template_db)
+            return launch(compose_config(uri, *overrides), folder / "out")
 
-    def trained(*overrides: str) -> Path:
-        folder = root / hashlib.sha256("\0".join(overrides).encode()).hexdigest()[:16]
-        folder.mkdir(parents=True, exist_ok=True)
-        metrics_file = folder / "metrics.json"
-        with open(folder / "lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not metrics_file.is_file():
-                uri = new_store(folder, mlflow_template_db)
-                metrics = launch(compose_config(uri, *overrides), folder / "out")
-                metrics_file.write_text(json.dumps(metrics))
-        return folder
+        name = hashlib.sha256("\0".join(overrides).encode()).hexdigest()[:16]
+        return built_once(tmp_path_factory, f"references/{name}", train)
 
     return trained
 
 
 @pytest.fixture(scope="session")
 def reference(
-    reference_folder: Callable[..., Path],
+    reference_folder: Callable[..., tuple[Path, dict[str, float]]],
 ) -> Callable[..., tuple[dict[str, torch.Tensor], dict[str, float]]]:
     """`reference(*overrides)` -> (final parameters, final metrics) of the tiny run the overrides
     compose, trained once per test session (`reference_folder`)."""
 
     def trained(*overrides: str) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        folder = reference_folder(*overrides)
-        return final_params(folder / "out"), json.loads((folder / "metrics.json").read_text())
+        folder, metrics = reference_folder(*overrides)
+        return final_params(folder / "out"), metrics
 
     return trained
 

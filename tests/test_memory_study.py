@@ -13,7 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from conftest import CONF_DIR, TINY_VIT, compose_config, output_of, run_here
+from conftest import (
+    CONF_DIR,
+    TINY_VIT,
+    built_once,
+    compose_config,
+    new_store,
+    output_of,
+    run_here,
+    store_uri,
+)
 from hydra import compose, initialize_config_dir
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
@@ -76,41 +85,40 @@ def test_each_job_of_the_study_composes_and_validates(
     assert cfg.optimizer.name == "adamw"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def study_sweep(tmp_path_factory: pytest.TempPathFactory, mlflow_template_db: Path):
     """Two jobs of the study for real (simple_cnn: seconds): ddp on 2 workers, model on 1;
-    without checkpointing (simple_cnn has no blocks to checkpoint)."""
-    from conftest import new_store
-
-    tmp = tmp_path_factory.mktemp("memory")
-    uri = new_store(tmp, mlflow_template_db)
-    result = run_here(
-        None, "-m", "+experiment=memory_vs_speed", "model=simple_cnn", "parallelism=ddp,model",
-        f"{AC}=none", "progress=false", f"mlflow.tracking_uri={uri}",
-        f"hydra.sweep.dir={tmp / 'sweep'}",
-    )  # fmt: skip
-    assert result.returncode == 0, output_of(result)
-    return tmp, uri
+    without checkpointing (simple_cnn has no blocks to checkpoint). Once per session."""
+    return study(tmp_path_factory, mlflow_template_db, "memory", "model=simple_cnn",
+                 "parallelism=ddp,model", f"{AC}=none")  # fmt: skip
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def checkpointing_sweep(tmp_path_factory: pytest.TempPathFactory, mlflow_template_db: Path):
     """The study's checkpointing axis for real, on its cheapest strategy (model: one process):
-    a ViT of 2 tiny blocks with and without activation checkpointing."""
-    from conftest import new_store
+    a ViT of 2 tiny blocks with and without activation checkpointing. Once per session."""
+    return study(tmp_path_factory, mlflow_template_db, "checkpointing", *TINY_VIT,
+                 "parallelism=model")  # fmt: skip
 
-    tmp = tmp_path_factory.mktemp("checkpointing")
-    uri = new_store(tmp, mlflow_template_db)
-    result = run_here(
-        None, "-m", "+experiment=memory_vs_speed", *TINY_VIT, "parallelism=model",
-        "progress=false", f"mlflow.tracking_uri={uri}", f"hydra.sweep.dir={tmp / 'sweep'}",
-    )  # fmt: skip
+
+def study(tmp_path_factory, template: Path, name: str, *overrides: str) -> str:
+    """The tracking URI of the memory study swept over `overrides`, in this process, once
+    per test session whichever xdist workers ask (`conftest.built_once`)."""
+
+    def sweep(tmp: Path):
+        uri = new_store(tmp, template)
+        return run_here(
+            None, "-m", "+experiment=memory_vs_speed", *overrides, "progress=false",
+            f"mlflow.tracking_uri={uri}", f"hydra.sweep.dir={tmp / 'sweep'}",
+        )  # fmt: skip
+
+    tmp, result = built_once(tmp_path_factory, name, sweep)
     assert result.returncode == 0, output_of(result)
-    return tmp, uri
+    return store_uri(tmp)
 
 
 def test_a_cpu_run_says_why_it_has_no_max_batch(study_sweep) -> None:
-    _, uri = study_sweep
+    uri = study_sweep
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("memory_vs_speed")
     runs = client.search_runs([experiment.experiment_id])
@@ -141,9 +149,9 @@ def memory_report(uri: str, out: Path) -> str:
     return stdout.getvalue()
 
 
-def test_the_memory_report_reads_the_sweep_back(study_sweep) -> None:
-    tmp, uri = study_sweep
-    out = tmp / "report"
+def test_the_memory_report_reads_the_sweep_back(study_sweep, tmp_path) -> None:
+    uri = study_sweep
+    out = tmp_path / "report"
     stdout = memory_report(uri, out)
     table = list(csv.DictReader(io.StringIO(stdout)))
     assert [(r["parallelism"], r["world_size"], r["checkpointing"]) for r in table] == [
@@ -179,7 +187,7 @@ def test_the_forecast_before_launch_is_the_step_peak_measured_after(sweep, reque
     within 15 % of the step peak its run measured: DDP on 2 workers, stages, a checkpointed ViT."""
     from accelexp.forecast import forecast
 
-    _, uri = request.getfixturevalue(sweep)
+    uri = request.getfixturevalue(sweep)
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("memory_vs_speed").experiment_id])
     children = [run for run in runs if STEP_PEAK_MB in run.data.metrics]
@@ -192,12 +200,14 @@ def test_the_forecast_before_launch_is_the_step_peak_measured_after(sweep, reque
         assert forecast(cfg).peak_mb == pytest.approx(measured, rel=0.15), overrides
 
 
-def test_checkpointing_is_a_column_and_a_lever_of_the_memory_report(checkpointing_sweep) -> None:
+def test_checkpointing_is_a_column_and_a_lever_of_the_memory_report(
+    checkpointing_sweep, tmp_path
+) -> None:
     """Each run's checkpointing in the table and the plot's legend; the lever table weighs the
     checkpointed run against the same run without it, with the memory table's own figures:
     it saves memory (the blocks' activations are not kept)."""
-    tmp, uri = checkpointing_sweep
-    out = tmp / "report"
+    uri = checkpointing_sweep
+    out = tmp_path / "report"
     runs_csv, levers_csv = memory_report(uri, out).split("\n\n")  # levers after a blank line
     assert [r["checkpointing"] for r in csv.DictReader(io.StringIO(runs_csv))] == ["none", "full"]
     assert (out / "memory.csv").read_text() == runs_csv + "\n"

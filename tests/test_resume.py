@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, compose_config, new_store, output_of
+from conftest import REPO, compose_config, new_store, output_of, store_uri
 from jobs import Job
 from mlflow import MlflowClient
 
@@ -85,8 +85,8 @@ def references(reference_folder):
     the overrides, trained once per test session (`conftest.reference_folder`)."""
 
     def uninterrupted(*overrides: str) -> tuple[Path, str]:
-        folder = reference_folder(*RUN, *overrides)
-        return folder / "out", f"sqlite:///{folder / 'mlflow.db'}"
+        folder, _ = reference_folder(*RUN, *overrides)
+        return folder / "out", store_uri(folder)
 
     return uninterrupted
 

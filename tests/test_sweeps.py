@@ -21,7 +21,16 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from conftest import REPO, compose_config, new_store, output_of, run_here, served
+from conftest import (
+    REPO,
+    built_once,
+    compose_config,
+    new_store,
+    output_of,
+    run_here,
+    served,
+    store_uri,
+)
 from mlflow import MlflowClient
 from playwright.sync_api import sync_playwright
 
@@ -81,22 +90,26 @@ def runs_of(uri: str) -> tuple[object, list]:
     return parents[0], children
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def grid_sweep(tmp_path_factory, mlflow_template_db):
-    tmp = tmp_path_factory.mktemp("grid")
-    # 16 steps an epoch on each of two workers, two epochs: the second epoch has steady-state
-    # steps enough for a throughput (compare.MIN_STEADY_STEPS)
-    result, uri = sweep(
-        tmp,
-        mlflow_template_db,
-        "parallelism=ddp",
-        "parallelism.nprocs=1,2",
-        "precision=fp32,amp",
-        "data.num_train=1024",
-        "max_steps_per_epoch=16",
-    )
+    """A 2 x 2 sweep (workers x precision), run once per test session (`built_once`)."""
+
+    def run(tmp: Path) -> subprocess.CompletedProcess:
+        # 16 steps an epoch on each of two workers, two epochs: the second epoch has
+        # steady-state steps enough for a throughput (compare.MIN_STEADY_STEPS)
+        return sweep(
+            tmp,
+            mlflow_template_db,
+            "parallelism=ddp",
+            "parallelism.nprocs=1,2",
+            "precision=fp32,amp",
+            "data.num_train=1024",
+            "max_steps_per_epoch=16",
+        )[0]
+
+    tmp, result = built_once(tmp_path_factory, "grid", run)
     assert result.returncode == 0, output_of(result)
-    return tmp, uri, result
+    return tmp, store_uri(tmp), result
 
 
 def test_a_sweep_is_one_parent_run_with_a_child_per_job(grid_sweep):
@@ -304,9 +317,9 @@ def test_report_html_holds_the_tables_notes_and_plots_and_escapes_text(tmp_path)
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(grid_sweep):
-    tmp, uri, _ = grid_sweep
-    with served(uri, tmp / "server") as base:
+def mlflow_server(grid_sweep, tmp_path_factory):
+    _, uri, _ = grid_sweep
+    with served(uri, tmp_path_factory.mktemp("server")) as base:
         yield base
 
 
