@@ -29,7 +29,6 @@ activations, temporaries. As torchtitan's `scripts/estimate` does.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 import os
@@ -95,7 +94,7 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
     from accelexp.config.typed import typed
     from accelexp.data.sources import set_shape
     from accelexp.diagnosis.max_batch import Trial, step_memory
-    from accelexp.models import build_model
+    from accelexp.models import build_shapes
     from accelexp.optim import build_optimizer
     from accelexp.parallel import build_strategy
     from accelexp.parallel.base import Sync
@@ -111,9 +110,6 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
     if not shards:  # replicas: a worker holds what one process holds, and what its sync adds
         strategy.sync = Sync(parts.parallelism)
     world_size = parts.parallelism.nprocs
-    model_cfg = parts.model
-    if hasattr(model_cfg, "pretrained"):  # the weights' values play no part
-        model_cfg = dataclasses.replace(model_cfg, pretrained=False)
     world = fake_world(world_size) if shards else contextlib.nullcontext()
     with world:
         strategy.setup()
@@ -124,8 +120,7 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
             sample = (shape.channels, shape.image_size, shape.image_size)
             # built on the meta device (no values: an initialisation by rejection sampling, as
             # trunc_normal_'s, cannot run on fake tensors), then made fake on the run's device
-            with torch.device("meta"):
-                model = build_model(model_cfg, *sample[:1], shape.num_classes, shape.image_size)
+            model = build_shapes(parts.model, *sample[:1], shape.num_classes, shape.image_size)
             switches = SpeedSwitches.resolve(parts.speed, strategy.device, model)
             model = switches.prepare(model)
             with FakeTensorMode(allow_non_fake_inputs=True):

@@ -10,7 +10,6 @@ tensor cores for `precision=fp8` (a CUDA GPU of compute capability >= 8.9:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 from typing import TYPE_CHECKING
@@ -148,17 +147,12 @@ def _memory_problems(cfg: DictConfig, workers: int, on_cpu: bool) -> list[str]:
 
 def _parameter_count(cfg: DictConfig, shape: SetShape) -> int:
     """Parameters of the model `cfg.model` builds, counted on the meta device (no memory)."""
-    import torch
-
     from accelexp.config.typed import typed_part
-    from accelexp.models import build_model
+    from accelexp.models import build_shapes
 
     model_cfg = typed_part(cfg.model, "model")
-    if hasattr(model_cfg, "pretrained"):  # the weights' file plays no part in the size
-        model_cfg = dataclasses.replace(model_cfg, pretrained=False)
     try:
-        with torch.device("meta"):
-            model = build_model(model_cfg, shape.channels, shape.num_classes, shape.image_size)
+        model = build_shapes(model_cfg, shape.channels, shape.num_classes, shape.image_size)
     except ConfigError:
         raise
     except Exception:  # the real build reports what is wrong with this model

@@ -8,9 +8,11 @@ model parallelism cuts into stages.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 
+import torch
 import torch.nn as nn
 
 from accelexp.errors import ConfigError
@@ -39,6 +41,17 @@ def build_model(cfg: ModelConfig, in_channels: int, num_classes: int, image_size
     if cfg.name not in MODELS:
         raise ConfigError(f"model.name={cfg.name!r} is unknown: expected one of {sorted(MODELS)}")
     return MODELS[cfg.name](cfg, in_channels, num_classes, image_size)
+
+
+def build_shapes(
+    cfg: ModelConfig, in_channels: int, num_classes: int, image_size: int
+) -> nn.Module:
+    """The model `cfg` builds, on the meta device and without pretrained weights: its layers and
+    shapes only (no memory, no download), for counting its parameters or forecasting a step."""
+    if hasattr(cfg, "pretrained"):  # the weights' values play no part
+        cfg = dataclasses.replace(cfg, pretrained=False)
+    with torch.device("meta"):
+        return build_model(cfg, in_channels, num_classes, image_size)
 
 
 def layer_sequence(model: nn.Module) -> list[tuple[str, nn.Module]]:
