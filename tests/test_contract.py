@@ -5,13 +5,15 @@ One parametrized suite over every strategy, against references trained once per 
 
 - **N workers = 1 process**: 2 workers (DDP, Horovod, FSDP, hybrid replicas) with batch 32 end
   with the parameters one process reaches with batch 64, to float rounding;
-- **accumulation = the larger batch**: 2 workers x 2 micro-batches of 16, the same (for DDP this
-  is its N-workers case too: the second micro-batch's backward is a plain synced one; FSDP's
-  block units run eager on a ViT and compiled on the CNN);
+- **accumulation = the larger batch**: 2 workers x 2 micro-batches of 16, the same (for DDP and
+  Horovod this is their N-workers case too: the second micro-batch's backward is a plain synced
+  one, DDP's outside `no_sync`, Horovod's the allreduce its `backward_passes_per_step` delayed;
+  FSDP's block units run eager on a ViT and compiled on the CNN);
 - **split = unsplit**: a model cut into stages (`parallelism=model`, any chunks or split points,
   any optimizer and precision) trains as the whole model on one device does;
 - **switch = eager**: `speed.compile` and `speed.channels_last` under 2 workers end where the
-  eager NCHW workers end (bf16 autocast; under FSDP in fp32, against one process);
+  eager NCHW workers end (bf16 autocast, Horovod's gradients sent as fp16 too; under FSDP in
+  fp32, against one process);
   `speed.activation_checkpointing` (full, every k-th block, by op) under DDP, FSDP and stages
   ends where one process without it ends.
 
@@ -136,8 +138,7 @@ def checkpointed(mode: str) -> tuple[str, ...]:
 
 
 CASES = [
-    # N workers = 1 process
-    Case("horovod", ("parallelism=horovod", *TWO_WORKERS), check=_world_of_two),
+    # N workers = 1 process (DDP's and Horovod's: their accumulating cases)
     Case(
         "hybrid-ddp",
         (
@@ -157,7 +158,7 @@ CASES = [
     ),
     # accumulation = the larger batch (no sync on the first micro-batch)
     Case("ddp-accumulate", ("parallelism=ddp", *ACCUMULATING), check=_world_of_two),
-    Case("horovod-accumulate", ("parallelism=horovod", *ACCUMULATING)),
+    Case("horovod-accumulate", ("parallelism=horovod", *ACCUMULATING), check=_world_of_two),
     Case(
         "fsdp-model-accumulate",
         ("parallelism=fsdp", "parallelism.granularity=model", *ACCUMULATING),
