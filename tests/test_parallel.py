@@ -1,7 +1,8 @@
 """Data parallelism on the real engines: DDP over Gloo (torchrun) and Horovod (horovodrun --gloo).
 
-Every multi-worker test here starts real worker processes through `accelexp.launch`, the way
-`python run.py parallelism=... parallelism.nprocs=2` does, on this machine's CPU.
+Every multi-worker test here starts real worker processes on this machine's CPU: through
+`accelexp.launch`, the way `python run.py parallelism=... parallelism.nprocs=2` does, or as
+`python run.py` joining a world its launcher made (torchrun, horovodrun, srun's environment).
 """
 
 from __future__ import annotations
@@ -16,11 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import (
-    REPO,
-    compose_config,
-    output_of,
-)
+from conftest import REPO, built_once, compose_config, new_store, output_of, store_uri
 from mlflow import MlflowClient
 
 from accelexp import parallel
@@ -36,28 +33,102 @@ from accelexp.processes import JOB_ENV
 STRATEGIES = ("ddp", "horovod")
 
 
+# The worlds a user's launcher makes, run.py joining them (`python -m torch.distributed.run` is
+# torchrun), each with its sync's fp16 gradient compression under AMP: one launch per launcher,
+# shared by the tests that join, write and train in it (`joined_world`)
+LAUNCHERS = {
+    "torchrun": (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"],
+        ["parallelism=ddp", "parallelism.comm_hook=fp16"],
+        "RANK",
+    ),
+    "horovodrun": (
+        [str(Path(sys.executable).with_name("horovodrun")), "-np", "2", "-H", "localhost:2",
+         "--gloo", sys.executable],
+        ["parallelism=horovod", "parallelism.compression=fp16"],
+        "HOROVOD_RANK",
+    ),
+}  # fmt: skip
+JOINED_EPOCHS = 2
+
+
+@pytest.fixture
+def joined_world(tmp_path_factory, mlflow_template_db):
+    """`joined_world(launcher)` -> (its folder, its store, the finished launcher process) of
+    `LAUNCHERS[launcher] run.py ...`, run once per test session (`conftest.built_once`). Each
+    rank's Hydra makes its own run folder, `rank<N>` (as on nodes without a shared filesystem)."""
+
+    def made_by(launcher: str) -> tuple[Path, str, subprocess.CompletedProcess]:
+        command, strategy, rank = LAUNCHERS[launcher]
+
+        def run(folder: Path) -> subprocess.CompletedProcess:
+            uri = new_store(folder, mlflow_template_db)
+            return subprocess.run(
+                [
+                    *command,
+                    "run.py",
+                    *strategy,
+                    "parallelism.nprocs=1",  # ignored inside a world: its size is the launcher's
+                    "precision=amp",  # bf16 autocast on a CPU
+                    "data=synthetic",
+                    "data.num_train=256",
+                    "data.num_test=64",
+                    "data.image_size=16",
+                    "data.batch_size=32",
+                    f"epochs={JOINED_EPOCHS}",
+                    "max_steps_per_epoch=2",
+                    "progress=false",
+                    "threads=1",
+                    f"mlflow.tracking_uri={uri}",
+                    f"hydra.run.dir={folder}/rank${{oc.env:{rank}}}",
+                ],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+
+        folder, result = built_once(tmp_path_factory, f"joined-{launcher}", run)
+        assert result.returncode == 0, output_of(result)
+        return folder, store_uri(folder), result
+
+    return made_by
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_run_py_joins_a_world_its_launcher_made(launcher, joined_world):
+    _, uri, _ = joined_world(launcher)
+    runs = MlflowClient(uri).search_runs(["1"])
+    assert len(runs) == 1  # only rank 0 tracks
+    assert runs[0].data.params["world_size"] == "2"
+    assert runs[0].info.status == "FINISHED"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_joined_world_needs_no_shared_folder(launcher, joined_world):
+    """Each rank's Hydra makes its own run folder: only rank 0 writes, and the others get the
+    best weights from it, not from its disk."""
+    folder, _, _ = joined_world(launcher)
+    assert (folder / "rank0" / "checkpoints" / "best.pt").is_file()
+    assert not (folder / "rank1" / "checkpoints").exists(), "only rank 0 writes"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
-    ("name", "compression"),
-    [("ddp", "parallelism.comm_hook=fp16"), ("horovod", "parallelism.compression=fp16")],
-)
-def test_amp_with_fp16_gradient_compression_trains(name, compression, tmp_path, tracking_uri):
-    cfg = compose_config(
-        tracking_uri,
-        f"parallelism={name}",
-        "parallelism.nprocs=2",
-        "precision=amp",  # bf16 autocast on a CPU
-        compression,
-        "epochs=2",
-        "max_steps_per_epoch=6",
-    )
-    metrics = launch(cfg, tmp_path / "out")
-    assert all(math.isfinite(v) for v in metrics.values())
-    run = MlflowClient(tracking_uri).search_runs(["1"])[0]
+    ("name", "launcher"), [("ddp", "torchrun"), ("horovod", "horovodrun")]
+)  # the gradients through DDP's comm_hook=fp16, Horovod's compression=fp16: `LAUNCHERS`
+def test_amp_with_fp16_gradient_compression_trains(name, launcher, joined_world):
+    _, uri, _ = joined_world(launcher)
+    client = MlflowClient(uri)
+    (run,) = client.search_runs(["1"])
     assert run.info.status == "FINISHED"
+    assert run.data.tags["parallelism"] == name
     assert run.data.tags["precision"] == "amp"
-    assert [
-        m.step for m in MlflowClient(tracking_uri).get_metric_history(run.info.run_id, "train_loss")
-    ] == [1, 2]
+    assert all(math.isfinite(v) for v in run.data.metrics.values())
+    history = client.get_metric_history(run.info.run_id, "train_loss")
+    assert [m.step for m in history] == list(range(1, JOINED_EPOCHS + 1))
 
 
 @pytest.mark.parametrize(("hook", "compressed"), [("fp16", True), ("none", False)])
@@ -203,58 +274,6 @@ def test_a_crashing_worker_through_run_py_fails_the_run_and_exits_non_zero(
     error = Path(client.download_artifacts(run.info.run_id, "error.txt")).read_text()
     assert "debug.raise_on_rank=0" in error
     assert "config_resolved.yaml" in {a.path for a in client.list_artifacts(run.info.run_id)}
-
-
-@pytest.mark.parametrize(
-    "launcher",
-    [
-        [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            "run.py",
-            "parallelism=ddp",
-        ],
-        [
-            str(Path(sys.executable).with_name("horovodrun")),
-            "-np",
-            "2",
-            "-H",
-            "localhost:2",
-            "--gloo",
-            sys.executable,
-            "run.py",
-            "parallelism=horovod",
-        ],
-    ],
-    ids=["torchrun", "horovodrun"],
-)
-def test_run_py_joins_a_world_its_launcher_made(launcher, tmp_path, tracking_uri):
-    uri = tracking_uri
-    command = launcher if not launcher[0].startswith("-") else [sys.executable, *launcher]
-    result = subprocess.run(
-        [
-            *command,
-            "parallelism.nprocs=1",  # ignored inside a world: its size is the launcher's
-            "data=synthetic",
-            "data.image_size=16",
-            "max_steps_per_epoch=3",
-            "epochs=1",
-            "progress=false",
-            "threads=1",
-            f"mlflow.tracking_uri={uri}",
-            f"hydra.run.dir={tmp_path / 'job'}",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, output_of(result)
-    runs = MlflowClient(uri).search_runs(["1"])
-    assert len(runs) == 1  # only rank 0 tracks
-    assert runs[0].data.params["world_size"] == "2"
 
 
 def test_horovod_missing_is_one_clear_message(tmp_path):

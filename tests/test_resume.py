@@ -5,21 +5,19 @@ A world of workers resumes in the torchrun restart's test: an FSDP worker SIGKIL
 `parallelism.max_restarts=1`, the world restarts and resumes by itself from the checkpoint, which
 holds the whole state gathered from the shards (a DDP checkpoint is a plain state dict, the
 single process's; a signal stopping every worker is tests/test_signals.py's; `resume=auto`
-finding the killed run, the single-process case's). Also: a joined world whose ranks run in
-different folders (no shared filesystem), the refusals of `resume`, and a reused run folder that
-never adopts another run.
+finding the killed run, the single-process case's). Also: the refusals of `resume`, and a reused
+run folder that never adopts another run. (A joined world whose ranks run in different folders,
+no shared filesystem: tests/test_parallel.py.)
 """
 
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, compose_config, new_store, output_of, store_uri
+from conftest import compose_config, new_store, output_of, store_uri
 from jobs import Job
 from mlflow import MlflowClient
 
@@ -162,32 +160,6 @@ def test_torchrun_restarts_a_killed_worker_and_the_world_resumes(
     assert "Traceback" not in job.output  # the workers' are in their output file
     assert the_run(uri).info.status == "FINISHED"
     assert_same_training(*references(*FSDP), tmp_path / "job", uri)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["torchrun", "horovodrun"])
-def test_a_joined_world_needs_no_shared_folder(launcher, tmp_path, mlflow_template_db):
-    """Each rank's Hydra makes its own run folder (as on nodes without a shared filesystem):
-    only rank 0 writes, and the others get the best weights from it, not from its disk."""
-    uri = new_store(tmp_path, mlflow_template_db)
-    if launcher == "torchrun":
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        command += ["--nproc-per-node=2", "run.py", "parallelism=ddp"]
-        rank = "${oc.env:RANK}"
-    else:
-        command = [str(Path(sys.executable).with_name("horovodrun")), "-np", "2"]
-        command += ["-H", "localhost:2", "--gloo", sys.executable, "run.py", "parallelism=horovod"]
-        rank = "${oc.env:HOROVOD_RANK}"
-    overrides = ["data=synthetic", "data.num_train=512", "data.num_test=64", "data.image_size=16"]
-    overrides += ["epochs=2", "max_steps_per_epoch=3", "progress=false", "threads=1"]
-    overrides += [f"mlflow.tracking_uri={uri}", f"hydra.run.dir={tmp_path}/rank{rank}"]
-    result = subprocess.run(
-        [*command, *overrides], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, output_of(result)
-    assert (tmp_path / "rank0" / "checkpoints" / "best.pt").is_file()
-    assert not (tmp_path / "rank1" / "checkpoints").exists(), "only rank 0 writes"
-    assert the_run(uri).info.status == "FINISHED"
 
 
 def test_resume_refuses_a_checkpoint_of_another_config(compose_cfg, tmp_path):
