@@ -24,7 +24,7 @@ from mlflow import MlflowClient
 from accelexp.config import ConfigError
 from accelexp.train import run
 
-EPOCHS = 3
+EPOCHS = 2  # the fewest a kill can land between: resumed after epoch 1, epoch 2 trained again
 RUN = (
     "data=synthetic",
     "data.num_train=320",
@@ -38,10 +38,10 @@ RUN = (
     "threads=1",
 )
 # The job is signalled as soon as it logs epoch 1: each training batch of a job that is killed
-# (and of its resumption, whose config must be the same) arrives this late, so epochs 2 and 3
-# take at least 8 x 0.3 s after that line, whatever the machine's load, and the signal lands in
-# the middle of training. The uninterrupted references are not slowed: it changes no result.
-SLOWED = (*RUN, "debug.input_delay_ms=300")
+# (and of its resumption, whose config must be the same) arrives this late, so epoch 2 takes at
+# least 4 x 0.6 s after that line, whatever the machine's load, and the signal lands in the
+# middle of training. The uninterrupted references are not slowed: it changes no result.
+SLOWED = (*RUN, "debug.input_delay_ms=600")
 FSDP = ("parallelism=fsdp", "parallelism.nprocs=2")
 EPOCH_METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
 FINAL_METRICS = ("best_val_acc", "test_loss", "test_acc")
@@ -90,7 +90,7 @@ def references(reference_folder):
 
 
 def kill_and_resume(tmp_path, template, cli, signum, *overrides) -> tuple[Path, str, str]:
-    """A run (a real process tree) stopped by `signum` during epoch 2 or later, then
+    """A run (a real process tree) stopped by `signum` during epoch 2, then
     `resume=auto` in a new folder (in this process: it is a run like any other).
     Returns (the resumed job's folder, the store, the interrupted run's id)."""
     uri = new_store(tmp_path, template)
