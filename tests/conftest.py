@@ -377,3 +377,22 @@ def _answers(url: str) -> bool:
             return True
     except OSError:
         return False
+
+
+# A two-worker DDP run shared by the tests that read its profiler traces (test_profiler) and
+# its memory figures (test_fsdp, beside the FSDP run of `two_workers_of_a_wide_mlp("fsdp")`):
+# trained once a session (`reference_folder`), one worker launch for both.
+def two_workers_of_a_wide_mlp(strategy: str) -> tuple[str, ...]:
+    """Overrides of a run of 2 `strategy` workers on an MLP whose parameters outweigh its
+    activations, its profiler on (epoch 1's steps 2-4 traced) and its step's memory measured
+    after training (`max_batch.search=true`: `state_mem_mb`, `step_peak_mb` on a CPU)."""
+    return (
+        f"parallelism={strategy}",
+        "parallelism.nprocs=2",
+        "model=mlp",
+        "model.widths=[512,512]",
+        "max_batch.search=true",
+        "profile=true",
+        "data.num_train=1024",
+        "max_steps_per_epoch=8",
+    )

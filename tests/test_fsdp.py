@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from conftest import compose_config, new_store, only_run
+from conftest import compose_config, new_store, only_run, store_uri, two_workers_of_a_wide_mlp
 
 from accelexp.config import ConfigError, typed, validate
 from accelexp.errors import AccelexpError
@@ -25,23 +25,18 @@ from accelexp.parallel.world import World, WorldShape
 FSDP = ("parallelism=fsdp", "parallelism.nprocs=2")
 
 
-def test_an_fsdp_worker_holds_half_the_state_a_ddp_worker_holds(tmp_path, mlflow_template_db):
+def test_an_fsdp_worker_holds_half_the_state_a_ddp_worker_holds(
+    tmp_path, mlflow_template_db, reference_folder
+):
     """`state_mem_mb`: parameters, gradients and SGD momentum as each worker stores them; and
-    `step_peak_mb`, the peak of live tensors over a step measured after training (a CPU's)."""
+    `step_peak_mb`, the peak of live tensors over a step measured after training (a CPU's). The
+    DDP run is the one test_profiler reads the traces of."""
+    ddp_folder, _ = reference_folder(*two_workers_of_a_wide_mlp("ddp"))
+    uri = new_store(tmp_path, mlflow_template_db)
+    launch(compose_config(uri, *two_workers_of_a_wide_mlp("fsdp")), tmp_path / "out")
     held, peak = {}, {}
-    for name in ("ddp", "fsdp"):
-        uri = new_store(tmp_path / name, mlflow_template_db)
-        cfg = compose_config(
-            uri,
-            f"parallelism={name}",
-            "parallelism.nprocs=2",
-            "model=mlp",
-            "model.widths=[512,512]",
-            "max_steps_per_epoch=2",
-            "max_batch.search=true",
-        )
-        launch(cfg, tmp_path / name / "out")
-        metrics = only_run(uri).data.metrics
+    for name, store in (("ddp", store_uri(ddp_folder)), ("fsdp", uri)):
+        metrics = only_run(store).data.metrics
         held[name], peak[name] = metrics["state_mem_mb"], metrics["step_peak_mb"]
     # mlp on 3x16x16 images: ~0.66 M parameters x (weight + gradient + momentum) x 4 bytes
     assert 7.0 < held["ddp"] < 8.0

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from conftest import store_uri, two_workers_of_a_wide_mlp
 from mlflow import MlflowClient
 from mlflow.artifacts import download_artifacts
 from omegaconf import DictConfig
@@ -232,19 +233,11 @@ def test_on_a_gpu_hta_figures_are_logged(compose_cfg, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_two_worker_run_logs_each_ranks_trace(compose_cfg, tmp_path, tracking_uri):
-    """End to end: `python run.py parallelism=ddp parallelism.nprocs=2 profile=true`."""
-    from accelexp.launch import launch
-
-    cfg = compose_cfg(
-        "parallelism=ddp",
-        "parallelism.nprocs=2",
-        "profile=true",
-        "data.num_train=1024",
-        "max_steps_per_epoch=8",
-    )
-    launch(cfg, tmp_path / "out")
-    client = MlflowClient(tracking_uri)
+def test_a_two_worker_run_logs_each_ranks_trace(reference_folder):
+    """End to end: `python run.py parallelism=ddp parallelism.nprocs=2 profile=true` (the run
+    test_fsdp reads the memory figures of)."""
+    folder, _ = reference_folder(*two_workers_of_a_wide_mlp("ddp"))
+    client = MlflowClient(store_uri(folder))
     (run,) = client.search_runs([client.get_experiment_by_name("accelexp").experiment_id])
     names = sorted(Path(a.path).name for a in client.list_artifacts(run.info.run_id, "traces"))
     assert names == ["rank-0.pt.trace.json.gz", "rank-1.pt.trace.json.gz"]
