@@ -135,6 +135,7 @@ def _torchrun(cfg: DDPConfig | FSDPConfig, spec: Path) -> list[str]:
     return [
         sys.executable, "-m", "accelexp.launch.torchrun", str(spec), "--nnodes=1",
         f"--nproc-per-node={cfg.nprocs}", *rendezvous, f"--max-restarts={cfg.max_restarts}",
+        f"--log-dir={spec / 'elastic'}",  # the agent's per-attempt folders, not a /tmp each
         "-m", "accelexp.worker", str(spec),
     ]  # fmt: skip
 
