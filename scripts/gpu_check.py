@@ -39,10 +39,11 @@ why) or FAIL:
 11. `parallelism=fsdp parallelism.cpu_offload=true precision=bf16 model=vit_tiny`: the shards
     in host memory, a ViT's attention in bf16 (CUDA only; SKIP with --cpu).
 
-With --cpu the same checks run at toy size (`CPU_RUN`: 16 px, 2 steps of 16 images per epoch;
+With --cpu the same checks run at toy size (`CPU_RUN`: 16 px, one epoch of 2 steps of 16 images;
 check 1 at `CPU_IMAGE_SIZE`): they test the script, not the hardware.
 
-Exit code 0 when nothing failed. Runs go to a temporary MLflow store; nothing is downloaded.
+Exit code 0 when nothing failed. Runs go to a temporary folder (one MLflow store, an experiment
+per job), removed at the end unless a check failed or --keep is given; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import contextlib
 import copy
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -95,7 +97,7 @@ CPU_RUN = (
     "data.num_train=128",
     "data.num_test=16",
     "data.batch_size=16",
-    "epochs=2",
+    "epochs=1",
     "max_steps_per_epoch=2",
     "progress=false",
 )
@@ -253,16 +255,19 @@ def check_grad_scaler_overflow(device: torch.device) -> str:
 
 
 def run_job(store: Path, name: str, *overrides: str, size: Sequence[str] = SMALL_RUN) -> dict:
-    """`python run.py ...` as a user types it; returns the run's params and metrics."""
-    uri = f"sqlite:///{store / name}.db"
+    """`python run.py ...` as a user types it; returns the run's params and metrics. The jobs
+    share one MLflow store, each in an experiment of its own name (a new store costs MLflow's
+    schema migrations: seconds)."""
+    uri = f"sqlite:///{store / 'mlflow.db'}"
     command = [
         sys.executable, "run.py", *size, *overrides,
-        f"mlflow.tracking_uri={uri}", f"hydra.run.dir={store / name}",
+        f"mlflow.tracking_uri={uri}", f"mlflow.experiment={name}", f"hydra.run.dir={store / name}",
     ]  # fmt: skip
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {result.returncode}:\n{result.stderr}")
-    (run,) = MlflowClient(uri).search_runs(["1"])
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(name).experiment_id])
     assert run.info.status == "FINISHED", run.info.status
     return {"params": run.data.params, "metrics": run.data.metrics, "tags": run.data.tags}
 
@@ -274,12 +279,15 @@ def parse_only(text: str | None) -> set[int] | None:
     return {int(part) for part in text.split(",") if part.strip()}
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cpu", action="store_true", help="run every check on the CPU instead")
     parser.add_argument("--only", metavar="N,N", help="run only these checks, e.g. 1,7,8")
     parser.add_argument("--json", type=Path, help="also write the results here (JSON)")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the runs' folder even when every check passed"
+    )
+    args = parser.parse_args(argv)
     only = parse_only(args.only)
     gpus = 0 if args.cpu else torch.cuda.device_count()
     if not args.cpu and gpus == 0:
@@ -452,7 +460,12 @@ def main() -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(results, indent=2))
     failed = [name for name, result in results.items() if result.startswith("FAIL")]
-    print(f"\n{len(results) - len(failed)}/{len(results)} passed or skipped; runs in {store}")
+    summary = f"\n{len(results) - len(failed)}/{len(results)} passed or skipped"
+    if failed or args.keep:  # the runs of a failed check are what to look at
+        print(f"{summary}; runs in {store}")
+    else:
+        shutil.rmtree(store, ignore_errors=True)
+        print(f"{summary}; runs removed (--keep keeps them)")
     return 1 if failed else 0
 
 

@@ -47,18 +47,32 @@ def test_the_documented_options_are_the_discovered_ones():
 
 
 @pytest.mark.parametrize(("group", "option"), group_options())
-def test_every_group_option_composes_and_validates(compose_cfg, group, option):
+def test_every_group_option_composes_validates_and_is_typed_alike_composed_or_read_back(
+    compose_cfg, group, option, tmp_path
+):
+    """Each option composes (a primary group's option on the tiny defaults, an add-on group's
+    such as experiment/ as written, on the plain defaults), validates, leaves nothing unset;
+    and `typed(cfg)` gives the schema's dataclasses, whether `cfg` is as composed (structured)
+    or as a worker reads it back from its resolved file (plain)."""
     if group in primary_groups():
         cfg = compose_cfg(f"{group}={option}")
         assert cfg[group].name == option, (
             f"conf/{group}/{option}.yaml names itself {cfg[group].name}"
         )
-    else:  # an add-on group such as experiment/: composed as written, on the plain defaults
+    else:
         register_configs()
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("config", overrides=[f"+{group}={option}"])
     validate(cfg)
     OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # nothing left unset
+    OmegaConf.save(cfg, tmp_path / "config.yaml", resolve=True)
+    read_back = OmegaConf.load(tmp_path / "config.yaml")
+    composed = typed(cfg)
+    assert isinstance(composed, Config)
+    assert composed == typed(read_back)
+    for name in SCHEMAS:
+        part = getattr(composed, name)
+        assert type(part) in SCHEMAS[name].values(), f"{name}: {type(part).__name__}"
 
 
 def test_the_defaults_validate(compose_cfg):
@@ -232,23 +246,3 @@ def test_the_report_compares_runs_in_what_can_change_their_speed_only():
     assert settings(**base, **ignored) == settings(**base)
     for key, value in {"threads": "2", "profiler.epoch": "2", "data.batch_size": "64"}.items():
         assert settings(**(base | {key: value})) != settings(**base), key
-
-
-@pytest.mark.parametrize(("group", "option"), group_options())
-def test_every_option_is_typed_alike_composed_or_read_back(compose_cfg, group, option, tmp_path):
-    """`typed(cfg)`: the schema's dataclasses, whether `cfg` is as composed (structured) or as a
-    worker reads it back from its resolved file (plain)."""
-    if group in primary_groups():
-        cfg = compose_cfg(f"{group}={option}")
-    else:
-        register_configs()
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("config", overrides=[f"+{group}={option}"])
-    OmegaConf.save(cfg, tmp_path / "config.yaml", resolve=True)
-    read_back = OmegaConf.load(tmp_path / "config.yaml")
-    composed = typed(cfg)
-    assert isinstance(composed, Config)
-    assert composed == typed(read_back)
-    for name in SCHEMAS:
-        part = getattr(composed, name)
-        assert type(part) in SCHEMAS[name].values(), f"{name}: {type(part).__name__}"

@@ -17,8 +17,10 @@ from accelexp.forecast import forecast, largest_batch
 from accelexp.record import STEP_PEAK_MB, step_peak_kind_mb
 
 
-def test_estimate_prints_the_forecast_and_trains_nothing(capfd, tmp_path: Path) -> None:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def test_estimate_prints_the_forecast_and_trains_nothing(
+    capfd, tmp_path: Path, tracking_uri: str
+) -> None:
+    uri = tracking_uri  # a copy of the migrated store: no migrations to read it back
     result = run_here(
         capfd, "estimate=true", *TINY_VIT, "data=synthetic", "data.image_size=16",
         f"mlflow.tracking_uri={uri}", tmp_path=tmp_path,

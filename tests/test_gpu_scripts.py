@@ -1,13 +1,16 @@
 """The GPU machine's scripts, tested on a CPU: the parity benchmark, gpu_check, the session.
 
-`benchmarks/gpu_parity.py --cpu --tiny` runs both sides for real (subprocesses, MLflow store), fp32
-and amp (on a CPU amp is bf16, as bf16 is: the third precision adds no path), and its printed
-table is checked against its own numbers. `scripts/gpu_check.py --cpu` runs its jobs at toy size
-(16 px, 2 steps of 16 images); the slow test runs through the script only the checks whose code
-is in its `main` (6, dp, which no other test trains; 10, fsdp with amp and the search; 11, the
-CUDA-only skip). Checks 1, 8 and 9 are functions, called directly by fast tests, including with a
-broken component to see that they fail when they should. 2-5 and 7 run through the script on a
-GPU only: what they train here (model and hybrid parallelism, the switches with compile) is
+`benchmarks/gpu_parity.py --cpu --tiny` runs both sides for real (subprocesses, MLflow store) in
+one precision, amp (on a CPU amp is bf16 autocast, as bf16 is; fp32 is the same loop without the
+autocast: neither adds a path), and its printed table is checked against its own numbers; the
+AMP gain table's arithmetic is checked on given figures. `scripts/gpu_check.py --cpu` runs its
+jobs at toy size (16 px, 2 steps of 16 images); the slow test runs only the checks whose code is
+in its `main` (6, dp, which no other test trains; 10, fsdp with amp and the search; 11, the
+CUDA-only skip). Both `main`s run in this process, their jobs as processes (gpu_parity's start
+as a process is the session's dry run's; gpu_check's `__main__` is `sys.exit(main())`).
+Checks 1, 8 and 9 are functions, called directly by fast tests, including with a broken
+component to see that they fail when they should. 2-5 and 7 run through the script on a GPU
+only: what they train here (model and hybrid parallelism, the switches with compile) is
 test_pipeline's, test_contract's and test_speed's runs.
 `scripts/gpu_session.sh` is checked for syntax and by its dry run.
 """
@@ -20,12 +23,13 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-from conftest import compose_config
+from conftest import compose_config, new_store
 
 from accelexp.config import validate
 from accelexp.data import BatchLoader
@@ -48,19 +52,6 @@ def load_script(relative: str) -> ModuleType:
 
 parity = load_script("benchmarks/gpu_parity.py")
 gpu_check = load_script("scripts/gpu_check.py")
-
-
-def script(
-    *args: str, timeout: float = 900, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-    )
 
 
 def markdown_table(text: str, first_header: str) -> list[dict[str, str]]:
@@ -89,6 +80,24 @@ def markdown_table_amp(text: str) -> dict[str, str]:
     names[names.index("diff", names.index("diff") + 1)] = "diff_bf16"
     row = section.splitlines()[section.splitlines().index(header) + 2]
     return dict(zip(names, (c.strip() for c in row.strip("|").split("|")), strict=True))
+
+
+@pytest.fixture
+def runs_folder(monkeypatch, tmp_path, mlflow_template_db) -> Path:
+    """The folder a script makes for its runs (`tempfile.mkdtemp(prefix="accelexp-gpu-...")`),
+    made here with a copy of the migrated MLflow store in it: its run.py jobs skip MLflow's
+    schema migrations (seconds). Other temporary folders are made as usual."""
+    folder = tmp_path / "runs"
+    made = tempfile.mkdtemp
+
+    def mkdtemp(suffix=None, prefix=None, dir=None):
+        if prefix is not None and prefix.startswith("accelexp-gpu-"):
+            new_store(folder, mlflow_template_db)
+            return str(folder)
+        return made(suffix, prefix, dir)
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    return folder
 
 
 # --- gpu_parity: the plan ------------------------------------------------------------------------
@@ -204,40 +213,31 @@ def test_deadline_skips_what_cannot_finish_and_still_writes_the_table(tmp_path):
 
 
 @pytest.mark.slow
-def test_parity_cpu_tiny_measures_both_sides_and_prints_consistent_figures(tmp_path):
+def test_parity_cpu_tiny_measures_both_sides_and_prints_consistent_figures(
+    tmp_path, capsys, runs_folder
+):
+    """One pair, amp: on a CPU the plain loop's autocast (bf16) and run.py's precision=amp;
+    fp32 is the same loop without it. The AMP gain table's arithmetic is test_render's."""
     out = tmp_path / "parity.md"
-    result = script(
-        "benchmarks/gpu_parity.py", "--cpu", "--tiny", "--repeats", "1", "--variants", "eager",
-        "--precisions", "fp32,amp", "--out", str(out),
+    code = parity.main(
+        ["--cpu", "--tiny", "--repeats", "1", "--variants", "eager", "--precisions", "amp",
+         "--steps", "2", "--out", str(out)]
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "planned: 2 configurations, 4 subprocess runs (2 plain, 2 accelexp)" in result.stdout
-    printed = result.stdout[result.stdout.index("# GPU parity") :]
+    stdout = capsys.readouterr().out
+    assert code == 0, stdout
+    assert "planned: 1 configurations, 2 subprocess runs (1 plain, 1 accelexp)" in stdout
+    printed = stdout[stdout.index("# GPU parity") :]
     assert printed.strip() == out.read_text().strip()
+    assert not runs_folder.exists()  # the runs' store, removed after
 
-    rows = {row["precision"]: row for row in markdown_table(printed, "shape")}
-    assert list(rows) == ["fp32", "amp"]
-    speed = {}
-    for precision, row in rows.items():
-        plain, ours = float(row["plain img/s"]), float(row["accelexp img/s"])
-        assert plain > 0 and ours > 0 and row["n"] == "1", row
-        ratio = ours / plain
-        assert float(row["ratio"]) == pytest.approx(ratio, abs=5e-4 + ratio * shown(plain, ours))
-        assert row["goal"] == ("ok" if float(row["ratio"]) >= parity.RATIO_GOAL else "**UNDER**")
-        speed[precision] = (plain, ours)
-
-    gain = markdown_table_amp(printed)
-    fp32, mixed = speed["fp32"], speed["amp"]
-    plain_gain, our_gain = mixed[0] / fp32[0], mixed[1] / fp32[1]
-    error = shown(mixed[0], fp32[0])
-    assert float(gain["plain amp/fp32"]) == pytest.approx(plain_gain, abs=5e-4 + plain_gain * error)
-    error = shown(mixed[1], fp32[1])
-    assert float(gain["accelexp amp/fp32"]) == pytest.approx(our_gain, abs=5e-4 + our_gain * error)
-    diff = float(re.match(r"([+-][\d.]+)%", gain["diff"]).group(1))
-    relative = our_gain / plain_gain
-    error = relative * shown(*mixed, *fp32)
-    assert diff == pytest.approx(100 * (relative - 1), abs=0.05 + 100 * error)
-    assert gain["plain bf16/fp32"] == gain["diff_bf16"] == "-"  # not measured
+    (row,) = markdown_table(printed, "shape")
+    plain, ours = float(row["plain img/s"]), float(row["accelexp img/s"])
+    assert row["precision"] == "amp" and plain > 0 and ours > 0 and row["n"] == "1", row
+    ratio = ours / plain
+    assert float(row["ratio"]) == pytest.approx(ratio, abs=5e-4 + ratio * shown(plain, ours))
+    assert row["goal"] == ("ok" if float(row["ratio"]) >= parity.RATIO_GOAL else "**UNDER**")
+    gain = markdown_table_amp(printed)  # no fp32 measured: no gain to show
+    assert gain["plain amp/fp32"] == gain["diff"] == gain["plain bf16/fp32"] == "-"
 
     runs = markdown_table(printed, "configuration")
     assert {(row["side"], row["data"], row["failed"]) for row in runs} == {
@@ -322,19 +322,21 @@ def test_parse_only():
 
 
 @pytest.mark.slow
-def test_gpu_check_cpu_runs_the_checks_of_its_main(tmp_path):
+def test_gpu_check_cpu_runs_the_checks_of_its_main(tmp_path, capsys, runs_folder):
     """The script's CPU path end to end (its flags, its run.py jobs, its JSON), for the checks
-    whose code is in `main` and that no other test covers (see the module docstring)."""
+    whose code is in `main` and that no other test covers (see the module docstring). Its runs'
+    folder is removed when every check passed."""
     report = tmp_path / "results.json"
     checks = "6,10,11"
-    result = script("scripts/gpu_check.py", "--cpu", "--only", checks, "--json", str(report))
-    assert result.returncode == 0, result.stdout + result.stderr
+    code = gpu_check.main(["--cpu", "--only", checks, "--json", str(report)])
+    assert code == 0, capsys.readouterr().out
     results = json.loads(report.read_text())
     assert [name.split()[0] for name in results] == checks.split(",")
     offload = results.pop("11 fsdp, cpu_offload, bf16, vit_tiny")
     assert offload.startswith("SKIP") and "needs CUDA" in offload
     assert all(value.startswith("PASS") for value in results.values()), results
     assert "max_batch None (not searched" in results["10 fsdp, amp, largest-batch search"]
+    assert not runs_folder.exists()
 
 
 # --- gpu_session.sh -------------------------------------------------------------------------------

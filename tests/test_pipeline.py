@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from conftest import (
+    TINY_DATA,
     compose_config,
     only_run,
     output_of,
@@ -177,7 +178,9 @@ def test_stage_parameters_and_peak_memory_are_logged(tmp_path, tracking_uri):
         "parallelism=model",
         "parallelism.stages=3",
         "parallelism.chunks=2",
-        "epochs=2",
+        "epochs=2",  # a peak per epoch
+        "max_steps_per_epoch=1",  # a step holds each stage's weights, gradients, activations
+        "data.num_test=32",
     )
     launch(cfg, tmp_path / "out")
     run = only_run(tracking_uri)
@@ -330,7 +333,7 @@ def test_run_py_says_what_is_wrong_and_exits_2_before_training(
         "parallelism=model",
         *overrides,
         "data=synthetic",
-        "data.image_size=16",
+        *TINY_DATA,
         "progress=false",
         f"mlflow.tracking_uri={uri}",
         tmp_path=tmp_path,

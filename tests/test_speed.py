@@ -12,12 +12,12 @@ import math
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 from conftest import (
+    TINY_DATA,
     final_params,
     only_run,
     speed_cfg,
@@ -33,7 +33,6 @@ from accelexp.speed import SpeedConfigError, SpeedSwitches, set_tf32, tf32_enabl
 from accelexp.train import run
 
 CPU = torch.device("cpu")
-TESTS = Path(__file__).parent
 
 
 @pytest.fixture(autouse=True)
@@ -79,9 +78,9 @@ def test_every_switch_reaches_the_model_the_optimizer_and_the_backends(compose_c
 
 FAULTS_PER_STEP = """
 import resource, sys, torch
+from accelexp.schema import SpeedConfig
 from accelexp.speed import SpeedSwitches
-from conftest import speed_cfg
-SpeedSwitches.resolve(speed_cfg(heap=sys.argv[1]), torch.device("cpu"), torch.nn.Linear(1, 1)
+SpeedSwitches.resolve(SpeedConfig(heap=sys.argv[1]), torch.device("cpu"), torch.nn.Linear(1, 1)
                       ).apply_backends()
 def step():  # 80 MiB of 16-MiB tensors, freed together: more than glibc's moving trim threshold
     [torch.ones(2**24, dtype=torch.uint8) for _ in range(5)]  # can reach (2 x 32 MiB)
@@ -101,7 +100,7 @@ def test_a_pinned_heap_does_not_fault_a_steps_tensors_in_again_each_step(tmp_pat
 
     def faults(heap: str) -> list[int]:  # minor page faults of each step after the first
         code = [sys.executable, "-c", FAULTS_PER_STEP, heap]
-        done = subprocess.run(code, capture_output=True, text=True, cwd=TESTS, check=True)
+        done = subprocess.run(code, capture_output=True, text=True, check=True)
         return [int(line) for line in done.stdout.split()]
 
     pinned, dynamic = faults("auto"), faults("dynamic")
@@ -158,9 +157,13 @@ def test_channels_last_auto_is_off_on_a_cpu_and_refused_for_a_model_without_conv
         ("data.on_device=true data.num_workers=2", "data.on_device=true"),
     ],
 )
-def test_a_bad_switch_stops_before_training_with_one_message(override, named, tmp_path, cli):
+def test_a_bad_switch_stops_before_training_with_one_message(
+    override, named, tmp_path, tracking_uri, cli
+):
+    # the tiny set and a copy of the migrated store: channels_last on an MLP is refused only
+    # once the model is built, after the data and the MLflow connection
     result = cli(
-        "data=synthetic", *override.split(), f"mlflow.tracking_uri=sqlite:///{tmp_path}/m.db",
+        "data=synthetic", *TINY_DATA, *override.split(), f"mlflow.tracking_uri={tracking_uri}",
         tmp_path=tmp_path,
     )  # fmt: skip
     text = result.stdout + result.stderr
@@ -169,29 +172,9 @@ def test_a_bad_switch_stops_before_training_with_one_message(override, named, tm
     assert "epoch 1" not in text  # nothing trained
 
 
-def test_a_compiled_run_reports_its_compile_time_apart_from_its_throughput(compose_cfg, tmp_path):
-    cfg = compose_cfg("speed.compile=default", "epochs=2", "max_steps_per_epoch=5")
-    run(cfg, tmp_path / "out")
-    run_ = only_run(cfg.mlflow.tracking_uri)
-    client = MlflowClient(cfg.mlflow.tracking_uri)
-    compile_s = client.get_metric_history(run_.info.run_id, "compile_s")
-    assert [m.step for m in compile_s] == [1] and compile_s[0].value > 0  # the first epoch only
-    epoch_time = {
-        m.step: m.value for m in client.get_metric_history(run_.info.run_id, "epoch_time_s")
-    }
-    speed = {m.step: m.value for m in client.get_metric_history(run_.info.run_id, "samples_per_s")}
-    # epoch 1's throughput counts its 2 steps after the 3 warm-up steps, in the time they took
-    # (both figures stored to 5 significant digits); epoch 2 times all of its 5 steps
-    assert speed[1] == pytest.approx(2 * cfg.data.batch_size / epoch_time[1], rel=1e-3)
-    timed = client.get_metric_history(run_.info.run_id, "timed_steps")
-    assert {m.step: m.value for m in timed} == {1: 2, 2: 5}
-    assert compile_s[0].value > epoch_time[1]  # compiling costs more than two small steps
-    assert run_.data.tags["compile"] == "default"
-    assert run_.info.run_name.endswith("-compile:default")
-
-
 def test_model_parallel_compiles_each_stage_and_keeps_the_outputs(compose_cfg):
-    cfg = compose_cfg("parallelism=model", "parallelism.stages=2", "model.dropout=0")
+    # the MLP: the fewest kernels to compile of the models that split into stages
+    cfg = compose_cfg("model=mlp", "parallelism=model", "parallelism.stages=2", "model.dropout=0")
     strategy = connect(typed(cfg))
     torch.manual_seed(0)
     model = build_model(typed(cfg).model, 3, 10, 16)
@@ -204,11 +187,15 @@ def test_model_parallel_compiles_each_stage_and_keeps_the_outputs(compose_cfg):
 
 
 @pytest.mark.slow
-def test_the_speedups_study_runs_one_child_per_rung(tmp_path, tracking_uri, cli):
-    uri = tracking_uri
+def test_the_speedups_study_runs_one_child_per_rung_and_times_compiling_apart(
+    tmp_path, tracking_uri, cli
+):
+    """The ladder, one child run per rung; its compiled rung is also the run that shows a
+    compiled run's compile time reported apart from its throughput (2 epochs of 5 steps)."""
+    uri, batch = tracking_uri, 32
     result = cli(
         "-m", "+experiment=speedups", "data.num_train=256", "data.num_test=128",
-        "data.image_size=16", "data.batch_size=32", "epochs=1", "max_steps_per_epoch=4",
+        "data.image_size=16", f"data.batch_size={batch}", "epochs=2", "max_steps_per_epoch=5",
         "progress=false", "threads=1", "repeats=1", f"mlflow.tracking_uri={uri}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     )  # fmt: skip
@@ -235,7 +222,23 @@ def test_the_speedups_study_runs_one_child_per_rung(tmp_path, tracking_uri, cli)
     ]
     assert all(r.info.status == "FINISHED" for r in rungs)
     assert all("compile_s" in r.data.metrics for r in rungs[-2:])
+    assert all("compile_s" not in r.data.metrics for r in rungs[:-2])
     assert rungs[-1].data.params["param_dtype"] == "bfloat16"
+
+    compiled = rungs[-2]  # speed.compile=default
+    run_id = compiled.info.run_id
+    compile_s = client.get_metric_history(run_id, "compile_s")
+    assert [m.step for m in compile_s] == [1] and compile_s[0].value > 0  # the first epoch only
+    epoch_time = {m.step: m.value for m in client.get_metric_history(run_id, "epoch_time_s")}
+    speed = {m.step: m.value for m in client.get_metric_history(run_id, "samples_per_s")}
+    # epoch 1's throughput counts its 2 steps after the 3 warm-up steps, in the time they took
+    # (both figures stored to 5 significant digits); epoch 2 times all of its 5 steps
+    assert speed[1] == pytest.approx(2 * batch / epoch_time[1], rel=1e-3)
+    timed = client.get_metric_history(run_id, "timed_steps")
+    assert {m.step: m.value for m in timed} == {1: 2, 2: 5}
+    assert compile_s[0].value > epoch_time[1]  # compiling costs more than two small steps
+    assert compiled.data.tags["compile"] == "default"
+    assert compiled.info.run_name.endswith("-bf16-tf32+cl+compile:default")
 
 
 def linear_trainer(batches: int, warmup_steps: int = 0):

@@ -60,19 +60,6 @@ def lr_history(tracking_uri: str) -> list[float]:
 CPU_PRECISIONS = {"fp32": "float32", "amp": "float32", "bf16": "float32", "bf16_true": "bfloat16"}
 
 
-@pytest.mark.parametrize("precision", sorted(CPU_PRECISIONS))
-def test_one_epoch_in_each_precision(compose_cfg, tracking_uri, tmp_path, precision):
-    cfg = compose_cfg(f"precision={precision}")
-    metrics = run(cfg, tmp_path / "out")
-    assert_sane_final_metrics(metrics)
-    logged = only_run(tracking_uri).data
-    assert logged.tags["precision"] == precision
-    assert logged.params["param_dtype"] == CPU_PRECISIONS[precision]
-    # the best weights as trained: bf16 under bf16_true
-    weights = final_params(tmp_path / "out")
-    assert {str(t.dtype) for t in weights.values()} == {f"torch.{CPU_PRECISIONS[precision]}"}
-
-
 def test_bf16_true_trains_bf16_weights_and_optimizer_state(compose_cfg):
     """The model the strategy wraps, its gradients and its optimizer's state are bf16 (its
     BatchNorm's fp32), the batch is cast to bf16, nothing is autocast or scaled, and a few
@@ -162,14 +149,25 @@ EXPECTED_EPOCH_LRS = {
 }
 
 
-@pytest.mark.parametrize("scheduler", sorted(EXPECTED_EPOCH_LRS))
-def test_each_scheduler_trains_and_the_logged_lr_follows_it(
-    compose_cfg, tracking_uri, tmp_path, scheduler
+# Each precision a CPU runs in a run of its own, which also checks one scheduler: the pairs cover
+# every precision and every scheduler (a new one of either fails here until it is paired).
+RUNS = list(zip(sorted(CPU_PRECISIONS), sorted(EXPECTED_EPOCH_LRS), strict=True))
+
+
+@pytest.mark.parametrize(("precision", "scheduler"), RUNS)
+def test_each_precision_and_each_scheduler_trains_and_the_logged_lr_follows_it(
+    compose_cfg, tracking_uri, tmp_path, precision, scheduler
 ):
     extra = ["scheduler.step_size=1", "scheduler.gamma=0.5"] if scheduler == "steplr" else []
-    cfg = compose_cfg(f"scheduler={scheduler}", "epochs=3", *extra)
+    cfg = compose_cfg(f"precision={precision}", f"scheduler={scheduler}", "epochs=3", *extra)
     metrics = run(cfg, tmp_path / "out")
     assert_sane_final_metrics(metrics)
+    logged = only_run(tracking_uri).data
+    assert logged.tags["precision"] == precision
+    assert logged.params["param_dtype"] == CPU_PRECISIONS[precision]
+    # the best weights as trained: bf16 under bf16_true
+    weights = final_params(tmp_path / "out")
+    assert {str(t.dtype) for t in weights.values()} == {f"torch.{CPU_PRECISIONS[precision]}"}
     assert lr_history(tracking_uri) == [significant(lr) for lr in EXPECTED_EPOCH_LRS[scheduler]]
 
 

@@ -45,6 +45,12 @@ def vit_b_16(channels: int = 3, size: int = 32, **keys) -> nn.Module:
     return build_model(cfg, channels, 10, size)
 
 
+@pytest.fixture(scope="module")
+def vit_b_16_rgb32() -> nn.Module:
+    """vit_b_16 for 32px RGB images, in eval mode: 86M parameters, built once, only read."""
+    return vit_b_16().eval()
+
+
 def images(n: int = 8, channels: int = 3, size: int = 16) -> torch.Tensor:
     return torch.randn(n, channels, size, size, generator=torch.Generator().manual_seed(1))
 
@@ -132,8 +138,8 @@ def test_channels_last_is_harmless_on_a_vit():
 # --- cut at block boundaries ---------------------------------------------------------------
 
 
-def test_the_layer_sequences_are_embedding_blocks_head_and_the_forward_pass():
-    ours, theirs = vit(depth=3).eval(), vit_b_16().eval()
+def test_the_layer_sequences_are_embedding_blocks_head_and_the_forward_pass(vit_b_16_rgb32):
+    ours, theirs = vit(depth=3).eval(), vit_b_16_rgb32
     assert [name for name, _ in layer_sequence(ours)] == [
         "embed", "blocks.0", "blocks.1", "blocks.2", "head",
     ]  # fmt: skip
@@ -162,8 +168,8 @@ def test_a_two_stage_pipelined_vit_computes_the_unsplit_outputs_and_gradients(ch
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
-def test_a_two_stage_pipelined_vit_b_16_computes_the_unsplit_outputs(chunks):
-    model = vit_b_16().eval()
+def test_a_two_stage_pipelined_vit_b_16_computes_the_unsplit_outputs(chunks, vit_b_16_rgb32):
+    model = vit_b_16_rgb32
     x = images(4, 3, 32)
     with torch.no_grad():
         expected = model(x)
