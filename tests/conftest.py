@@ -377,3 +377,10 @@ def _answers(url: str) -> bool:
             return True
     except OSError:
         return False
+
+
+def run_py_help(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess:
+    """`python run.py --help` in this process (`run_here`), once per test session whichever tests
+    and xdist workers ask (`built_once`): tests/test_cli.py reads what it lists, and
+    tests/test_docs.py runs the docs' `run.py --help` with it (it composes every option: ~2 s)."""
+    return built_once(tmp_path_factory, "run-py-help", lambda folder: run_here(None, "--help"))[1]

@@ -11,7 +11,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import CONF_DIR, group_options, new_store, output_of, run_here
+from conftest import CONF_DIR, group_options, new_store, output_of, run_py_help
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
@@ -31,8 +31,8 @@ def assert_clean_failure(result: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def help_text() -> str:
-    result = run_here(None, "--help")
+def help_text(tmp_path_factory) -> str:
+    result = run_py_help(tmp_path_factory)  # once a test session (tests/test_docs.py's too)
     text = output_of(result)
     assert result.returncode == 0, text
     assert "Traceback" not in text

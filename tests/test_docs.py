@@ -33,7 +33,8 @@ its test, so a new kind of command in the docs needs a rule here. What the rules
 - `pip install -e '.[EXTRAS]'`: each extra is declared in pyproject.toml (installing needs the
   network). `make TARGET` exists (`make -n`). `bash scripts/X.sh` is valid shell (`bash -n`), and
   runs for real when `DRY_RUN=1`. `horovodrun --check-build` runs. `python benchmarks/X.py` answers
-  `--help` (the benchmarks take minutes; `make bench` runs them).
+  `--help` (the benchmarks take minutes; `make bench` runs them). `run.py --help` is the one
+  tests/test_cli.py reads (`conftest.run_py_help`).
 
 Placeholders in commands are written `<like this>` (`<run id>`, `<db host>`); `...` stands for the
 user's own overrides. Commands that start several processes or compile are marked slow.
@@ -70,6 +71,7 @@ from tests.conftest import (
     built_once,
     new_store,
     run_here,
+    run_py_help,
     store_uri,
 )
 
@@ -432,7 +434,11 @@ def check_run_py(command: Command, store: Store) -> None:
     _, argv = command.words()
     at = argv.index("run.py")
     run = RunPy.parse(argv[at + 1 :])
-    if run.options:  # --help, --cfg job, --info ...: Hydra answers without training
+    if run.options == ["--help"] and not run.overrides:  # tests/test_cli.py's, read there
+        result = run_py_help(store.request.getfixturevalue("tmp_path_factory"))
+        assert result.returncode == 0, result.stdout + result.stderr
+        return
+    if run.options:  # --cfg job, --info ...: Hydra answers without training
         run_py_ok([*run.options, *run.overrides])
         return
     configs = compose_and_validate(run)
