@@ -32,8 +32,10 @@ its test, so a new kind of command in the docs needs a rule here. What the rules
   started and used in tests/test_sweeps.py and tests/test_credentials.py).
 - `pip install -e '.[EXTRAS]'`: each extra is declared in pyproject.toml (installing needs the
   network). `make TARGET` exists (`make -n`). `bash scripts/X.sh` is valid shell (`bash -n`), and
-  runs for real when `DRY_RUN=1`. `horovodrun --check-build` runs. `python benchmarks/X.py` answers
-  `--help` (the benchmarks take minutes; `make bench` runs them). `run.py --help` is the one
+  runs for real when `DRY_RUN=1` (unless the test `DRY_RUN_BY` names runs that very dry run).
+  `horovodrun --check-build` runs. `python benchmarks/X.py` answers `--help`, in this process (a
+  new one would only repeat pytest's imports; the benchmarks take minutes: `make bench` runs
+  them, and tests/test_chaos.py starts benchmarks/chaos.py for real). `run.py --help` is the one
   tests/test_cli.py reads (`conftest.run_py_help`).
 
 Placeholders in commands are written `<like this>` (`<run id>`, `<db host>`); `...` stands for the
@@ -42,10 +44,13 @@ user's own overrides. Commands that start several processes or compile are marke
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import io
 import itertools
 import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -353,7 +358,9 @@ def executable(word: str) -> str:
     return str(BIN / name) if (BIN / name).exists() else name
 
 
-def run_tiny(run: RunPy, configs: list[DictConfig], uri: str, folder: Callable[[str], Path]):
+def run_tiny(
+    run: RunPy, configs: list[DictConfig], uri: str, folder: Callable[[str], Path]
+) -> None:
     """Run the command for real, its overrides cut to the tiny size and to two jobs (the first
     two values of its first swept key, the first of the others; an Optuna study, two trials
     among those values), tracked into the store `uri`, its folders `folder("run")` and
@@ -541,11 +548,37 @@ def check_make(command: Command, store: Store) -> None:
     run_ok(["make", "-n", *targets])
 
 
+# Dry runs of scripts that a test runs as the docs show them (the same variables and values;
+# PYTHON: this venv's): not run twice.
+DRY_RUN_BY = {
+    # test_session_script_parses_and_its_dry_run_lists_every_step (and the ladder, memory plans)
+    "scripts/gpu_session.sh": "tests/test_gpu_scripts.py",
+}
+
+
+def dry_run_elsewhere(env: dict[str, str], argv: list[str]) -> str | None:
+    """The test that runs this very dry run (each variable the command sets, in the test's
+    environment as `"NAME": "value"`; the script, with no arguments), if one does."""
+    test = DRY_RUN_BY.get(argv[1])
+    if test is None or argv[2:]:
+        return None
+    source = (REPO / test).read_text()
+    given = {k: v for k, v in env.items() if k != "PYTHON"}  # the test gives this venv's
+    ran = Path(argv[1]).name in source
+    return test if ran and all(f'"{k}": "{v}"' in source for k, v in given.items()) else None
+
+
+def test_the_tests_named_for_dry_runs_run_them() -> None:
+    for script, test in DRY_RUN_BY.items():
+        assert dry_run_elsewhere({"DRY_RUN": "1", "PYTHON": "python"}, ["bash", script]) == test
+        assert dry_run_elsewhere({"DRY_RUN": "1", "PLAN": "nope"}, ["bash", script]) is None
+
+
 def check_script(command: Command, store: Store) -> None:
-    """bash scripts/X.sh: valid shell; run for real when it is a dry run."""
+    """bash scripts/X.sh: valid shell; run for real when it is a dry run (and no test runs it)."""
     env, argv = command.words()
     run_ok(["bash", "-n", argv[1]])
-    if env.get("DRY_RUN"):
+    if env.get("DRY_RUN") and not dry_run_elsewhere(env, argv):
         env = {k: executable(v) if k == "PYTHON" else v for k, v in env.items()}
         run_ok(["bash", *argv[1:]], env | {"OUT": str(store.folder("gpu-session"))})
 
@@ -556,9 +589,18 @@ def check_horovod_build(command: Command, store: Store) -> None:
 
 
 def check_benchmark(command: Command, store: Store) -> None:
-    """python benchmarks/X.py: it exists and parses its arguments (it runs for minutes)."""
+    """python benchmarks/X.py: it exists and parses its arguments (it runs for minutes): its
+    `__main__` with `--help`, in this process."""
     _, argv = command.words()
-    run_ok([sys.executable, argv[1], "--help"])
+    printed, saved = io.StringIO(), sys.argv
+    sys.argv = [argv[1], "--help"]
+    try:
+        with contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as done:
+            runpy.run_path(str(REPO / argv[1]), run_name="__main__")
+    finally:
+        sys.argv = saved
+    assert done.value.code in (0, None), f"{argv[1]} --help exited {done.value.code}"
+    assert "usage:" in printed.getvalue(), printed.getvalue()
 
 
 @dataclass(frozen=True)
