@@ -396,3 +396,10 @@ def two_workers_of_a_wide_mlp(strategy: str) -> tuple[str, ...]:
         "data.num_train=1024",
         "max_steps_per_epoch=8",
     )
+
+
+def run_py_help(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess:
+    """`python run.py --help` in this process (`run_here`), once per test session whichever tests
+    and xdist workers ask (`built_once`): tests/test_cli.py reads what it lists, and
+    tests/test_docs.py runs the docs' `run.py --help` with it (it composes every option: ~2 s)."""
+    return built_once(tmp_path_factory, "run-py-help", lambda folder: run_here(None, "--help"))[1]

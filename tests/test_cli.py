@@ -1,6 +1,7 @@
 """`python run.py` with bad input: a non-zero exit and a message a user can act on, no traceback.
 
-Each case fails before any training, so each subprocess costs only Python's and torch's start.
+Each case runs run.py's `main` in this process (`conftest.run_here`: a new process would only
+repeat pytest's imports) and fails before any training (the piped-output case trains one epoch).
 Hydra's job folder goes to tmp, and a run that gets as far as the tracker uses a tmp store.
 """
 
@@ -10,7 +11,7 @@ import re
 import subprocess
 
 import pytest
-from conftest import CONF_DIR, group_options, new_store, output_of, run_cli, run_here
+from conftest import CONF_DIR, group_options, new_store, output_of, run_py_help
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
@@ -30,8 +31,8 @@ def assert_clean_failure(result: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def help_text() -> str:
-    result = run_here(None, "--help")
+def help_text(tmp_path_factory) -> str:
+    result = run_py_help(tmp_path_factory)  # once a test session (tests/test_docs.py's too)
     text = output_of(result)
     assert result.returncode == 0, text
     assert "Traceback" not in text
@@ -166,10 +167,12 @@ def test_the_hint_names_the_key_that_failed(tmp_path, cli):
     assert "e.g. `python run.py data.batch_size=...`" in text
 
 
-def test_piped_output_has_no_progress_bar_frames(tmp_path, tracking_uri):
+def test_piped_output_has_no_progress_bar_frames(tmp_path, tracking_uri, cli):
     """A Slurm log or `| cat`: no tqdm `\r` frames glued onto the log lines, and the run ends
-    with one short line."""
-    result = run_cli(
+    with one short line. run.py in this process, its output captured at the descriptors
+    (`conftest.run_here`): stderr is not a terminal, as in a pipe (engine.py asks
+    `sys.stderr.isatty()`); a new process would only repeat pytest's imports."""
+    result = cli(
         "data=synthetic", "data.num_train=512", "data.image_size=16", "data.batch_size=16",
         "epochs=1", "progress=true", "log_every_n_steps=1",
         f"mlflow.tracking_uri={tracking_uri}", tmp_path=tmp_path,

@@ -21,15 +21,22 @@ its test, so a new kind of command in the docs needs a rule here. What the rules
   `parallelism.nprocs`).
 - `torchrun` / `horovodrun` / `srun`: the run.py part is composed and validated (a world that
   torchrun and horovodrun make on one host is joined for real in tests/test_parallel.py).
-- `accelexp-report ...` runs against this module's store (after a tiny sweep of the experiment it
-  names, when the store has none), writing into tmp; its `main` in this process (the installed
-  command is started for real in tests/test_report_diagnose.py).
+- `accelexp-report ...` runs against a store that holds a sweep of the experiment it names
+  (`accelexp` when it names none), writing into tmp; its `main` in this process (the installed
+  command is started for real in tests/test_report_diagnose.py). The memory study's and the
+  scaling study's sweeps are the ones their own tests run (tests/test_memory_study.py,
+  tests/test_sweeps.py: their session fixtures, imported here); another experiment's is a tiny
+  sweep of it; each built once a test session whichever tests and xdist workers ask
+  (`conftest.built_once`), not once per worker that happens to run a report.
 - `mlflow ui` / `mlflow server`: MLflow's own parser takes the command line (a real server is
   started and used in tests/test_sweeps.py and tests/test_credentials.py).
 - `pip install -e '.[EXTRAS]'`: each extra is declared in pyproject.toml (installing needs the
   network). `make TARGET` exists (`make -n`). `bash scripts/X.sh` is valid shell (`bash -n`), and
-  runs for real when `DRY_RUN=1`. `horovodrun --check-build` runs. `python benchmarks/X.py` answers
-  `--help` (the benchmarks take minutes; `make bench` runs them).
+  runs for real when `DRY_RUN=1` (unless the test `DRY_RUN_BY` names runs that very dry run).
+  `horovodrun --check-build` runs. `python benchmarks/X.py` answers `--help`, in this process (a
+  new one would only repeat pytest's imports; the benchmarks take minutes: `make bench` runs
+  them, and tests/test_chaos.py starts benchmarks/chaos.py for real). `run.py --help` is the one
+  tests/test_cli.py reads (`conftest.run_py_help`).
 
 Placeholders in commands are written `<like this>` (`<run id>`, `<db host>`); `...` stands for the
 user's own overrides. Commands that start several processes or compile are marked slow.
@@ -37,10 +44,13 @@ user's own overrides. Commands that start several processes or compile are marke
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
+import io
 import itertools
 import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -54,11 +64,21 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf, open_dict
+from test_memory_study import study_sweep  # noqa: F401 (a fixture: the memory study's sweep)
+from test_sweeps import grid_sweep  # noqa: F401 (a fixture: the scaling study's sweep)
 
 from accelexp.config import register_configs
 from accelexp.config.validate import check_one_job_of_a_study, check_sweep_objective, validate
 from accelexp.report import main as report_main
-from tests.conftest import CONF_DIR, REPO, new_store, run_here
+from tests.conftest import (
+    CONF_DIR,
+    REPO,
+    built_once,
+    new_store,
+    run_here,
+    run_py_help,
+    store_uri,
+)
 
 README = REPO / "README.md"
 DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
@@ -267,23 +287,43 @@ def _many_processes(cfg: DictConfig) -> bool:
 # --- running things ------------------------------------------------------------------------
 
 
+# The session fixtures (imported above) whose sweep an `accelexp-report --experiment NAME` reads.
+SWEEP_OF = {"memory_vs_speed": "study_sweep", "scaling": "grid_sweep"}
+
+
 @dataclass
 class Store:
-    """This module's MLflow store and scratch folder, shared by every command (like a user's)."""
+    """This module's MLflow store and scratch folder, shared by every command (like a user's),
+    and the stores the reports read (`sweep_of`)."""
 
     root: Path
     uri: str
+    request: pytest.FixtureRequest
     count: int = 0
 
     def folder(self, name: str) -> Path:
         self.count += 1
         return self.root / f"{name}-{self.count}"
 
+    def sweep_of(self, experiment: str) -> str:
+        """The tracking URI of a store whose newest sweep is one of `experiment`: the sweep its
+        own test runs (`SWEEP_OF`), else a tiny sweep of it (`tiny_sweep`); built once a test
+        session whichever tests and xdist workers ask."""
+        if experiment in SWEEP_OF:
+            built = self.request.getfixturevalue(SWEEP_OF[experiment])
+            return built if isinstance(built, str) else built[1]  # grid_sweep: (folder, uri, ..)
+        factory = self.request.getfixturevalue("tmp_path_factory")
+        template = self.request.getfixturevalue("mlflow_template_db")
+        folder, _ = built_once(
+            factory, f"docs-sweeps/{experiment}", lambda f: tiny_sweep(experiment, f, template)
+        )
+        return store_uri(folder)
+
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory, mlflow_template_db: Path) -> Store:
+def store(tmp_path_factory: pytest.TempPathFactory, mlflow_template_db: Path, request) -> Store:
     root = tmp_path_factory.mktemp("docs")
-    return Store(root, new_store(root, mlflow_template_db))
+    return Store(root, new_store(root, mlflow_template_db), request)
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -318,18 +358,21 @@ def executable(word: str) -> str:
     return str(BIN / name) if (BIN / name).exists() else name
 
 
-def run_tiny(run: RunPy, configs: list[DictConfig], store: Store) -> None:
+def run_tiny(
+    run: RunPy, configs: list[DictConfig], uri: str, folder: Callable[[str], Path]
+) -> None:
     """Run the command for real, its overrides cut to the tiny size and to two jobs (the first
     two values of its first swept key, the first of the others; an Optuna study, two trials
-    among those values), tracked into the module's store."""
+    among those values), tracked into the store `uri`, its folders `folder("run")` and
+    `folder("sweep")`."""
     sizes = dict(TINY)
     if all(cfg.data.name == "synthetic" for cfg in configs):
         sizes |= TINY_SYNTHETIC
     warmup = max(cfg.scheduler.warmup_epochs for cfg in configs)
     sizes["epochs"] = str(int(warmup) + 1)
-    sizes["mlflow.tracking_uri"] = store.uri
-    sizes["hydra.run.dir"] = str(store.folder("run"))
-    sizes["hydra.sweep.dir"] = str(store.folder("sweep"))
+    sizes["mlflow.tracking_uri"] = uri
+    sizes["hydra.run.dir"] = str(folder("run"))
+    sizes["hydra.sweep.dir"] = str(folder("sweep"))
     if configs[0].hydra.sweeper.get("n_trials") is not None:  # an optimizing sweeper's
         sizes["hydra.sweeper.n_trials"] = "2"
     fixed, grid = run.grid()
@@ -355,6 +398,7 @@ def pasted_first(command: Command) -> bool:
 # composed and validated here, not run twice. Each test named must set those keys.
 RUN_BY = {
     "+experiment=memory_vs_speed": "tests/test_memory_study.py",  # the study's sweep
+    "+experiment=scaling": "tests/test_sweeps.py",  # the study's sweep: workers x precision
     "repeats=3": "tests/test_sweeps.py",  # repeats round-robin, one row per configuration
     "parallelism=fsdp model=vit_tiny": "tests/test_contract.py",  # FSDP workers train a ViT
     "parallelism=ddp parallelism.nprocs=2 data=synthetic": "tests/test_contract.py",  # DDP workers
@@ -397,7 +441,11 @@ def check_run_py(command: Command, store: Store) -> None:
     _, argv = command.words()
     at = argv.index("run.py")
     run = RunPy.parse(argv[at + 1 :])
-    if run.options:  # --help, --cfg job, --info ...: Hydra answers without training
+    if run.options == ["--help"] and not run.overrides:  # tests/test_cli.py's, read there
+        result = run_py_help(store.request.getfixturevalue("tmp_path_factory"))
+        assert result.returncode == 0, result.stdout + result.stderr
+        return
+    if run.options:  # --cfg job, --info ...: Hydra answers without training
         run_py_ok([*run.options, *run.overrides])
         return
     configs = compose_and_validate(run)
@@ -415,7 +463,7 @@ def check_run_py(command: Command, store: Store) -> None:
     assert command_is_slow(command) or not any(map(_many_processes, configs)), (
         f"{command.source} starts several processes or compiles: make command_is_slow() know it"
     )
-    run_tiny(run, configs, store)
+    run_tiny(run, configs, store.uri, store.folder)
 
 
 def check_launcher(command: Command, store: Store) -> None:
@@ -424,20 +472,12 @@ def check_launcher(command: Command, store: Store) -> None:
     compose_and_validate(RunPy.parse(argv[argv.index("run.py") + 1 :]))
 
 
-def ensure_runs(store: Store, experiment: str, latest: bool = False) -> None:
-    """A tiny sweep of `experiment` in the store when it holds no sweep of it yet, or (`latest`:
-    for `--sweep latest` of every experiment) when the store's newest sweep is another's: the
-    docs/ sweep a report follows is composed only here, as a user's sweep of it would be."""
-    from accelexp.tracking import query
-
-    try:
-        newest = query.latest_sweep(store.uri, None if latest else experiment)
-        if query.experiment_id(store.uri, experiment) == newest.experiment_id:
-            return
-    except query.QueryError:  # no sweep, or no such experiment yet
-        pass
+def tiny_sweep(experiment: str, folder: Path, template: Path) -> bool:
+    """A tiny sweep of `experiment` into a new store in `folder`, as a user's sweep of it would
+    be: the study's first value of each swept key (a 1-worker fp32 baseline) when it is a study,
+    else the docs' precision sweep, tracked to that experiment."""
     study = CONF_DIR / "experiment" / f"{experiment}.yaml"
-    if study.is_file():  # one job: the first value of each swept key (a 1-worker fp32 baseline)
+    if study.is_file():
         grid = OmegaConf.load(study).hydra.sweeper.params
         text = f"run.py -m +experiment={experiment} " + " ".join(
             f"{key}={_points(_parsed(key, values))[0]}" for key, values in grid.items()
@@ -445,18 +485,20 @@ def ensure_runs(store: Store, experiment: str, latest: bool = False) -> None:
     else:
         text = f"run.py -m precision=fp32,bf16 data=synthetic mlflow.experiment={experiment}"
     run = RunPy.parse(shlex.split(text)[1:])
-    run_tiny(run, compose_and_validate(run), store)
+    uri = new_store(folder, template)
+    run_tiny(run, compose_and_validate(run), uri, lambda name: folder / name)
+    return True
 
 
 def check_report(command: Command, store: Store) -> None:
-    """accelexp-report against the module's store, writing into tmp."""
+    """accelexp-report against a store with a sweep of the experiment it names (`accelexp`
+    when it names none: `--sweep latest` is that sweep), writing into tmp."""
     _, argv = command.words()
     args = argv[1:]
     named = "--experiment" in args
     experiment = args[args.index("--experiment") + 1] if named else "accelexp"
-    ensure_runs(store, experiment, latest="latest" in args and not named)
     if "--tracking-uri" not in args:
-        args += ["--tracking-uri", store.uri]
+        args += ["--tracking-uri", store.sweep_of(experiment)]
     if "--output-dir" not in args:
         args += ["--output-dir", str(store.folder("report"))]
     # in this process: the installed command's own start is tests/test_report_diagnose.py's
@@ -506,11 +548,37 @@ def check_make(command: Command, store: Store) -> None:
     run_ok(["make", "-n", *targets])
 
 
+# Dry runs of scripts that a test runs as the docs show them (the same variables and values;
+# PYTHON: this venv's): not run twice.
+DRY_RUN_BY = {
+    # test_session_script_parses_and_its_dry_run_lists_every_step (and the ladder, memory plans)
+    "scripts/gpu_session.sh": "tests/test_gpu_scripts.py",
+}
+
+
+def dry_run_elsewhere(env: dict[str, str], argv: list[str]) -> str | None:
+    """The test that runs this very dry run (each variable the command sets, in the test's
+    environment as `"NAME": "value"`; the script, with no arguments), if one does."""
+    test = DRY_RUN_BY.get(argv[1])
+    if test is None or argv[2:]:
+        return None
+    source = (REPO / test).read_text()
+    given = {k: v for k, v in env.items() if k != "PYTHON"}  # the test gives this venv's
+    ran = Path(argv[1]).name in source
+    return test if ran and all(f'"{k}": "{v}"' in source for k, v in given.items()) else None
+
+
+def test_the_tests_named_for_dry_runs_run_them() -> None:
+    for script, test in DRY_RUN_BY.items():
+        assert dry_run_elsewhere({"DRY_RUN": "1", "PYTHON": "python"}, ["bash", script]) == test
+        assert dry_run_elsewhere({"DRY_RUN": "1", "PLAN": "nope"}, ["bash", script]) is None
+
+
 def check_script(command: Command, store: Store) -> None:
-    """bash scripts/X.sh: valid shell; run for real when it is a dry run."""
+    """bash scripts/X.sh: valid shell; run for real when it is a dry run (and no test runs it)."""
     env, argv = command.words()
     run_ok(["bash", "-n", argv[1]])
-    if env.get("DRY_RUN"):
+    if env.get("DRY_RUN") and not dry_run_elsewhere(env, argv):
         env = {k: executable(v) if k == "PYTHON" else v for k, v in env.items()}
         run_ok(["bash", *argv[1:]], env | {"OUT": str(store.folder("gpu-session"))})
 
@@ -521,9 +589,18 @@ def check_horovod_build(command: Command, store: Store) -> None:
 
 
 def check_benchmark(command: Command, store: Store) -> None:
-    """python benchmarks/X.py: it exists and parses its arguments (it runs for minutes)."""
+    """python benchmarks/X.py: it exists and parses its arguments (it runs for minutes): its
+    `__main__` with `--help`, in this process."""
     _, argv = command.words()
-    run_ok([sys.executable, argv[1], "--help"])
+    printed, saved = io.StringIO(), sys.argv
+    sys.argv = [argv[1], "--help"]
+    try:
+        with contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as done:
+            runpy.run_path(str(REPO / argv[1]), run_name="__main__")
+    finally:
+        sys.argv = saved
+    assert done.value.code in (0, None), f"{argv[1]} --help exited {done.value.code}"
+    assert "usage:" in printed.getvalue(), printed.getvalue()
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Sweeps you can compare: parent runs, failed children, the report, the MLflow UI for real.
 
-One real 2x2 sweep (`parallelism.nprocs=1,2` x `precision=fp32,amp`, DDP over Gloo, tiny) feeds
-the parent/child checks, a real `mlflow server` on 127.0.0.1 read over its REST API and rendered
+One real 2x2 sweep, the README's scaling study (`+experiment=scaling`: `parallelism.nprocs=1,2` x
+`precision=fp32,amp`, DDP over Gloo), tiny, feeds the parent/child checks (and the scaling reports
+of tests/test_docs.py), a real `mlflow server` on 127.0.0.1 read over its REST API and rendered
 in headless Chromium (the runs, and the sweep's report.html in MLflow's artifact viewer, driven
 with Playwright since that viewer shows the report inside a sandboxed frame), and logging over
 HTTP to that server. report.html itself is checked on hand-made rows first.
@@ -13,6 +14,7 @@ import base64
 import csv
 import io
 import json
+import os
 import shutil
 import subprocess
 import urllib.parse
@@ -34,7 +36,7 @@ from conftest import (
 from mlflow import MlflowClient
 from playwright.sync_api import sync_playwright
 
-from accelexp import stats
+from accelexp import record, stats
 from accelexp.launch import launch
 from accelexp.report import LADDER, RUNS, LadderRow, Row, compare
 from accelexp.report.compare import everything_set_aside
@@ -79,10 +81,10 @@ def sweep(tmp: Path, template: Path, *overrides: str) -> tuple[subprocess.Comple
     return result, uri
 
 
-def runs_of(uri: str) -> tuple[object, list]:
-    """(the sweep's parent run, its children) in the `accelexp` experiment."""
+def runs_of(uri: str, experiment: str = "accelexp") -> tuple[object, list]:
+    """(the sweep's parent run, its children) in `experiment`."""
     client = MlflowClient(uri)
-    runs = client.search_runs([client.get_experiment_by_name("accelexp").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     parents = [r for r in runs if r.data.tags.get("accelexp.sweep") == "true"]
     assert len(parents) == 1, [r.info.run_name for r in runs]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
@@ -90,9 +92,15 @@ def runs_of(uri: str) -> tuple[object, list]:
     return parents[0], children
 
 
+GRID = "scaling"  # the experiment of the grid: the scaling study's own
+
+
 @pytest.fixture(scope="session")
 def grid_sweep(tmp_path_factory, mlflow_template_db):
-    """A 2 x 2 sweep (workers x precision), run once per test session (`built_once`)."""
+    """A 2 x 2 sweep (workers x precision): the README's `run.py -m +experiment=scaling
+    parallelism.nprocs=1,2 threads=1` (DDP; its precision=fp32,amp) at the tiny size, each
+    configuration once (the study's repeats=3 is its real size). Run once per test session
+    (`built_once`); tests/test_docs.py's scaling reports read it too."""
 
     def run(tmp: Path) -> subprocess.CompletedProcess:
         # 16 steps an epoch on each of two workers, two epochs: the second epoch has
@@ -100,9 +108,11 @@ def grid_sweep(tmp_path_factory, mlflow_template_db):
         return sweep(
             tmp,
             mlflow_template_db,
-            "parallelism=ddp",
+            "+experiment=scaling",
             "parallelism.nprocs=1,2",
             "precision=fp32,amp",
+            "threads=1",
+            "repeats=1",
             "data.num_train=1024",
             "max_steps_per_epoch=16",
         )[0]
@@ -114,7 +124,7 @@ def grid_sweep(tmp_path_factory, mlflow_template_db):
 
 def test_a_sweep_is_one_parent_run_with_a_child_per_job(grid_sweep):
     tmp, uri, _ = grid_sweep
-    parent, children = runs_of(uri)
+    parent, children = runs_of(uri, GRID)
     assert parent.info.status == "FINISHED"
     assert parent.info.run_name == "sweep parallelism.nprocs=1,2 precision=fp32,amp"
     assert parent.data.params["parallelism.nprocs"] == "1,2"
@@ -135,7 +145,7 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_job(grid_sweep):
 
 def test_the_parent_carries_the_summary_and_the_plots(grid_sweep):
     _, uri, result = grid_sweep
-    parent, children = runs_of(uri)
+    parent, children = runs_of(uri, GRID)
     client = MlflowClient(uri)
     names = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
     assert {f"report/{n}" for n in ("summary.csv", "summary.md", "throughput.png")} <= names
@@ -220,13 +230,17 @@ def test_a_single_run_has_no_parent(tmp_path, tracking_uri):
 
 
 def test_a_sweep_through_submitit_logs_its_children_under_the_parent(tmp_path, mlflow_template_db):
+    # one job: submitit starts each job in a process of its own, which the parent reaches
+    # through the environment it hands each job (a second job would start another such process)
     result, uri = sweep(
-        tmp_path, mlflow_template_db, "hydra/launcher=submitit_local", "precision=fp32,bf16"
+        tmp_path, mlflow_template_db, "hydra/launcher=submitit_local", "precision=bf16"
     )
     assert result.returncode == 0, output_of(result)
     parent, children = runs_of(uri)
     assert parent.info.status == "FINISHED"
-    assert sorted(r.data.tags["precision"] for r in children) == ["bf16", "fp32"]
+    (child,) = children
+    assert child.data.tags["precision"] == "bf16"  # the job's own override
+    assert child.data.tags[record.PID] != str(os.getpid())  # run by submitit's process
 
 
 # --- report.html ---------------------------------------------------------------------------
@@ -335,7 +349,7 @@ def rest(base: str, path: str, body: dict) -> dict:
 
 def test_the_server_serves_the_sweep_over_its_rest_api(mlflow_server):
     experiment = rest(mlflow_server, "experiments/search", {"max_results": 10})["experiments"]
-    experiment_id = next(e["experiment_id"] for e in experiment if e["name"] == "accelexp")
+    experiment_id = next(e["experiment_id"] for e in experiment if e["name"] == GRID)
     runs = rest(mlflow_server, "runs/search", {"experiment_ids": [experiment_id]})["runs"]
     tags = [{t["key"]: t["value"] for t in r["data"].get("tags", [])} for r in runs]
     (parent,) = [r for r, t in zip(runs, tags, strict=True) if t.get("accelexp.sweep") == "true"]
@@ -360,7 +374,7 @@ def chromium(*args: str, user_dir: Path) -> subprocess.CompletedProcess:
 
 def test_the_mlflow_ui_shows_the_runs_in_a_real_browser(mlflow_server, grid_sweep, tmp_path):
     _, uri, _ = grid_sweep
-    parent, children = runs_of(uri)
+    parent, children = runs_of(uri, GRID)
     runs = [parent, *children]
     ids = urllib.parse.quote(json.dumps([r.info.run_id for r in runs]))
     experiments = urllib.parse.quote(json.dumps([parent.info.experiment_id]))
@@ -383,7 +397,7 @@ def test_the_mlflow_ui_shows_the_runs_in_a_real_browser(mlflow_server, grid_swee
 
 def test_the_sweeps_html_report_opens_in_the_mlflow_ui(mlflow_server, grid_sweep):
     _, uri, result = grid_sweep
-    parent, children = runs_of(uri)
+    parent, children = runs_of(uri, GRID)
     run_page = f"#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}"
     route = f"{run_page}/artifacts/report/report.html"
     assert route in output_of(result), "the sweep's end links straight to its report"

@@ -256,25 +256,33 @@ def test_a_disabled_tracker_writes_nothing(compose_cfg, tracking_uri):
     assert MlflowClient(tracking_uri=tracking_uri).get_experiment_by_name("never") is None
 
 
+# A run's first touch of its store, in a process of its own: what run.py does before training
+# (`train.run`: `Tracker.connect`, which opens the store and creates the experiment under
+# `<store>.lock`, then heals stale runs), then a run started, a metric logged, the run ended.
+OPEN_RUN_AND_END = """
+import sys
+from omegaconf import OmegaConf
+from accelexp.tracking import Tracker
+tracker = Tracker(OmegaConf.create(sys.argv[1]))
+tracker.connect()
+tracker.start(sys.argv[2], {"job": sys.argv[2]}, {})
+tracker.log_metrics({"loss": 1.0}, step=1)
+tracker.end()
+"""
+
+
 def test_three_runs_started_at_once_on_a_new_store_are_all_recorded(tmp_path):
     """MLflow creates a new SQLite store's tables on first use; done by three processes at once
-    it failed ("table runs already exists") and could leave the store broken for later runs."""
+    it failed ("table runs already exists") and could leave the store broken for later runs.
+    Each process opens the store as run.py's does (`Tracker.connect`, run.py's first use of the
+    store) without run.py's start-up and training (torch, Hydra: ~5 s CPU a process, the same
+    race)."""
     uri = f"sqlite:///{tmp_path}/new.db"
+    mlflow_cfg = OmegaConf.to_yaml(compose_config(uri).mlflow, resolve=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "MLFLOW_"))}
     jobs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "run.py",
-                "data=synthetic",
-                "data.num_train=256",
-                "epochs=1",
-                "max_steps_per_epoch=2",
-                "progress=false",
-                "threads=1",
-                f"mlflow.tracking_uri={uri}",
-                f"hydra.run.dir={tmp_path / f'job{i}'}",
-            ],
+            [sys.executable, "-c", OPEN_RUN_AND_END, mlflow_cfg, f"job{i}"],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
@@ -287,6 +295,7 @@ def test_three_runs_started_at_once_on_a_new_store_are_all_recorded(tmp_path):
     assert [job.returncode for job in jobs] == [0, 0, 0], "\n".join(outputs)
     runs = MlflowClient(uri).search_runs(["1"])
     assert sorted(r.info.status for r in runs) == ["FINISHED"] * 3
+    assert sorted(r.info.run_name for r in runs) == ["job0", "job1", "job2"]
 
 
 @pytest.mark.parametrize("parallelism", ["single", "ddp"])
