@@ -172,6 +172,7 @@ def test_a_crashed_job_ends_alone_and_the_others_go_on(
         "debug.raise_on_rank=null,0",
         "debug.raise_at_step=2",
         f"lockstep.process={process}",
+        "epochs=1",  # step 3, after the crash, is the other job's alone: one process of each
         *TURN_OF_ONE_STEP,
     )
     text = output_of(result)
@@ -192,7 +193,7 @@ def test_a_job_that_holds_its_turn_too_long_is_stopped_as_hung(
     process each, the other finishes alone; in one process, it stops with it."""
     result, uri = sweep(tmp_path, mlflow_template_db, "debug.input_delay_ms=0,3000",
                         "lockstep.turn_timeout_s=1", f"lockstep.process={process}",
-                        *TURN_OF_ONE_STEP)  # fmt: skip
+                        "epochs=1", *TURN_OF_ONE_STEP)  # fmt: skip
     text = output_of(result)
     assert result.returncode == 1, text
     assert "job 1 (debug.input_delay_ms=3000) stopped in round 0: it held its turn over 1 s" in text
