@@ -149,9 +149,13 @@ EXPECTED_EPOCH_LRS = {
 }
 
 
-# Each precision a CPU runs in a run of its own, which also checks one scheduler: the pairs cover
-# every precision and every scheduler (a new one of either fails here until it is paired).
-RUNS = list(zip(sorted(CPU_PRECISIONS), sorted(EXPECTED_EPOCH_LRS), strict=True))
+# Each run checks one precision a CPU runs and one scheduler: as many runs as the longer list,
+# the shorter one taken round again, so every precision and every scheduler is covered.
+PRECISIONS, SCHEDULERS = sorted(CPU_PRECISIONS), sorted(EXPECTED_EPOCH_LRS)
+RUNS = [
+    (PRECISIONS[i % len(PRECISIONS)], SCHEDULERS[i % len(SCHEDULERS)])
+    for i in range(max(len(PRECISIONS), len(SCHEDULERS)))
+]
 
 
 @pytest.mark.parametrize(("precision", "scheduler"), RUNS)
