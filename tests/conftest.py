@@ -89,6 +89,15 @@ def compose_config(tracking_uri: str, *overrides: str) -> DictConfig:
         return compose("config", overrides=[*defaults, *overrides])
 
 
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """`-m alone` (`make test`'s second phase) imports only the test files that mark a test
+    `alone`: collecting the other files' tests only to deselect them takes seconds."""
+    test_file = collection_path.name.startswith("test_") and collection_path.suffix == ".py"
+    if config.getoption("markexpr") == "alone" and test_file:
+        return "mark.alone" not in collection_path.read_text() or None
+    return None
+
+
 @pytest.fixture(autouse=True)
 def _alone_when_marked(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory

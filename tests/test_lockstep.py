@@ -264,7 +264,7 @@ def test_a_precision_target_that_cannot_be_met_spends_the_budget_and_says_so(
     spent, uri = sweep(tmp_path, mlflow_template_db, *MEASURABLE, "precision_target=0.000001",
                        f"max_repeats={MIN_REPEATS_FOR_TARGET}")  # fmt: skip
     assert spent.returncode == 0, output_of(spent)
-    assert "budget spent at" in output_of(spent)
+    assert "budget spent at" in output_of(spent), output_of(spent)[-3000:]
     budget = {str(i) for i in range(MIN_REPEATS_FOR_TARGET)}
     assert {c.data.tags[REPEAT_INDEX] for c in runs_of(uri)[1]} == budget
 
