@@ -263,9 +263,7 @@ def open_experiment(mlflow_cfg: DictConfig) -> tuple[RetryingClient, str]:
                     path.unlink(missing_ok=True)
                 raise
             if experiment is None:
-                experiment_id = client.create_experiment(
-                    mlflow_cfg.experiment, artifact_location=_artifact_location(mlflow_cfg)
-                )
+                experiment_id = _create_experiment(client, mlflow_cfg)
             else:
                 experiment_id = experiment.experiment_id
     except Exception as error:  # the store exists but cannot be opened or written
@@ -276,6 +274,25 @@ def open_experiment(mlflow_cfg: DictConfig) -> tuple[RetryingClient, str]:
             f"{credentials.redact(first_line(error))}"
         ) from error
     return client, experiment_id
+
+
+def _create_experiment(client: RetryingClient, mlflow_cfg: DictConfig) -> str:
+    """Create the experiment `mlflow_cfg.experiment`; its id. A database store or a tracking
+    server has no `store_lock`: another process that created it meanwhile (two sweeps started at
+    once into a new experiment) made it for both, and its id is this one's."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.create_experiment(
+            mlflow_cfg.experiment, artifact_location=_artifact_location(mlflow_cfg)
+        )
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        made = client.get_experiment_by_name(mlflow_cfg.experiment)
+        if made is None:
+            raise
+        return made.experiment_id
 
 
 def _artifact_location(mlflow_cfg: DictConfig) -> str | None:
