@@ -26,7 +26,7 @@ from postgres import Cluster, cluster
 from test_credentials import SECRET, files_with_secret
 
 from accelexp import processes, record
-from accelexp.tracking.store import open_experiment
+from accelexp.tracking.store import TrackingUnavailableError, open_experiment
 
 TINY = ("data=synthetic", *TINY_DATA, *TINY_RUN)
 THROUGH_SERVER, STRAIGHT = ("precision.name", "fp32,bf16"), ("seed", "1,2")  # (param, values)
@@ -166,3 +166,18 @@ def test_a_sweep_straight_to_the_database_keeps_its_password_nowhere(team, datab
     assert (tmp / "direct" / "multirun.yaml").is_file()
     assert SECRET not in text
     assert files_with_secret(tmp / "direct", tmp / "direct-artifacts") == []
+
+
+def test_a_run_straight_to_the_database_into_an_experiment_the_server_made_is_refused(
+    team, database
+):
+    """Its artifacts are behind the server (mlflow-artifacts:/): said before the run begins,
+    not at its first artifact, after its params and metrics."""
+    mlflow_cfg = OmegaConf.create(
+        {"tracking_uri": database.uri(), "experiment": "team", "artifact_location": None}
+    )
+    with pytest.raises(TrackingUnavailableError) as error:
+        open_experiment(mlflow_cfg)
+    said = str(error.value)
+    assert "'team' keeps its artifacts behind its tracking server (mlflow-artifacts:/" in said
+    assert "mlflow.tracking_uri=http://HOST:5000" in said and SECRET not in said

@@ -273,7 +273,23 @@ def open_experiment(mlflow_cfg: DictConfig) -> tuple[RetryingClient, str]:
             f"Cannot use the MLflow store {credentials.redact(uri)}: "
             f"{credentials.redact(first_line(error))}"
         ) from error
+    if experiment is not None and not uri.startswith(("http://", "https://")):
+        _refuse_served_artifacts(uri, experiment.name, experiment.artifact_location)
     return client, experiment_id
+
+
+def _refuse_served_artifacts(uri: str, name: str, location: str | None) -> None:
+    """An experiment a tracking server made keeps its artifacts behind the server
+    (`mlflow-artifacts:/`): a run logging straight to the database could write its params and
+    metrics there, then fail at its first artifact. Said before it begins."""
+    if not (location or "").startswith("mlflow-artifacts:"):
+        return
+    raise TrackingUnavailableError(
+        f"MLflow experiment {name!r} keeps its artifacts behind its tracking server ({location}), "
+        f"which a run logging straight to the store {credentials.redact(uri)} cannot reach. Log "
+        f"through the server (mlflow.tracking_uri=http://HOST:5000), or use an experiment of "
+        f"your own (mlflow.experiment=NAME mlflow.artifact_location=s3://BUCKET/PATH)."
+    )
 
 
 def _create_experiment(client: RetryingClient, mlflow_cfg: DictConfig) -> str:
