@@ -160,7 +160,8 @@ def _create_database(cluster: Cluster, server: subprocess.Popen) -> None:
 
 
 def _stop(server: subprocess.Popen, owner: str | None, bin_dir: Path, data: Path) -> None:
-    """Stop the server: fast (sessions ended, no waiting for clients), else immediate."""
+    """Stop the server: fast (sessions ended, no waiting for clients), else immediate, else
+    killed."""
     for mode in ("fast", "immediate"):
         if server.poll() is not None:
             return
@@ -169,3 +170,8 @@ def _stop(server: subprocess.Popen, owner: str | None, bin_dir: Path, data: Path
         with contextlib.suppress(subprocess.TimeoutExpired):
             subprocess.run(stop, capture_output=True, timeout=WAIT_S)
             server.wait(timeout=WAIT_S)
+    if server.poll() is None:
+        subprocess.run(_as_owner(owner, "pkill", "-KILL", "-F", data / "postmaster.pid"),
+                       capture_output=True, timeout=WAIT_S)  # fmt: skip
+        server.kill()
+        server.wait(timeout=WAIT_S)
