@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything accelexp needs, on a fresh machine or again on a set-up one (then in seconds):
-#   1. Debian's dataset-fashion-mnist (the real data of the default run) and chromium (the tests
-#      look at the MLflow UI in it), when apt is usable;
+#   1. Debian's dataset-fashion-mnist (the real data of the default run), chromium (the tests
+#      look at the MLflow UI in it) and postgresql (the tests start throwaway clusters of its
+#      server for a team's tracking store: tests/postgres.py), when apt is usable;
 #   2. a virtual environment at .venv with torch/torchvision and the project (editable, with
 #      the dev and team extras: tests, and the clients of a PostgreSQL/S3 tracking server);
 #   3. Holistic Trace Analysis (HTA), which analyses the profile=true traces, and Hydra's Optuna
@@ -17,8 +18,9 @@ PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
-# 1. System packages (root + apt only; elsewhere data.download or data.root must provide the data)
-apt_packages=(dataset-fashion-mnist chromium)
+# 1. System packages (root + apt only; elsewhere data.download or data.root must provide the data,
+#    and tests/test_team_store.py needs a PostgreSQL server installed some other way)
+apt_packages=(dataset-fashion-mnist chromium postgresql)
 missing=()
 for pkg in "${apt_packages[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
@@ -29,7 +31,7 @@ if ((${#missing[@]})); then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
   else
-    say "not root or no apt: skipping ${missing[*]} (Fashion-MNIST will be downloaded or read from data.root)"
+    say "not root or no apt: skipping ${missing[*]} (Fashion-MNIST will be downloaded or read from data.root; the team-store tests need PostgreSQL's server)"
   fi
 fi
 

@@ -263,9 +263,7 @@ def open_experiment(mlflow_cfg: DictConfig) -> tuple[RetryingClient, str]:
                     path.unlink(missing_ok=True)
                 raise
             if experiment is None:
-                experiment_id = client.create_experiment(
-                    mlflow_cfg.experiment, artifact_location=_artifact_location(mlflow_cfg)
-                )
+                experiment_id = _create_experiment(client, mlflow_cfg)
             else:
                 experiment_id = experiment.experiment_id
     except Exception as error:  # the store exists but cannot be opened or written
@@ -275,7 +273,42 @@ def open_experiment(mlflow_cfg: DictConfig) -> tuple[RetryingClient, str]:
             f"Cannot use the MLflow store {credentials.redact(uri)}: "
             f"{credentials.redact(first_line(error))}"
         ) from error
+    if experiment is not None and not uri.startswith(("http://", "https://")):
+        _refuse_served_artifacts(uri, experiment.name, experiment.artifact_location)
     return client, experiment_id
+
+
+def _refuse_served_artifacts(uri: str, name: str, location: str | None) -> None:
+    """An experiment a tracking server made keeps its artifacts behind the server
+    (`mlflow-artifacts:/`): a run logging straight to the database could write its params and
+    metrics there, then fail at its first artifact. Said before it begins."""
+    if not (location or "").startswith("mlflow-artifacts:"):
+        return
+    raise TrackingUnavailableError(
+        f"MLflow experiment {name!r} keeps its artifacts behind its tracking server ({location}), "
+        f"which a run logging straight to the store {credentials.redact(uri)} cannot reach. Log "
+        f"through the server (mlflow.tracking_uri=http://HOST:5000), or use an experiment of "
+        f"your own (mlflow.experiment=NAME mlflow.artifact_location=s3://BUCKET/PATH)."
+    )
+
+
+def _create_experiment(client: RetryingClient, mlflow_cfg: DictConfig) -> str:
+    """Create the experiment `mlflow_cfg.experiment`; its id. A database store or a tracking
+    server has no `store_lock`: another process that created it meanwhile (two sweeps started at
+    once into a new experiment) made it for both, and its id is this one's."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.create_experiment(
+            mlflow_cfg.experiment, artifact_location=_artifact_location(mlflow_cfg)
+        )
+    except MlflowException as error:
+        if error.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        made = client.get_experiment_by_name(mlflow_cfg.experiment)
+        if made is None:
+            raise
+        return made.experiment_id
 
 
 def _artifact_location(mlflow_cfg: DictConfig) -> str | None:
