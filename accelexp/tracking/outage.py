@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 RETRIES_ENV = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"  # MLflow's urllib3 retries (7 by default)
 FIRST_WAIT_S, LONGEST_WAIT_S = 0.25, 2.0  # between tries while the server is gone
+OUTAGE_BUDGET_S = 300.0  # mlflow.outage_budget_s of a config from before the key
 KILLED_FLUSH_S = 10.0  # a run stopped by a signal waits this long at most for its writes
 TRANSIENT_HTTP = ("too many 408", "too many 429", "too many 5")  # urllib3's "too many 503 ..."
 GONE_TEXTS = (
@@ -64,6 +65,15 @@ def quiet_retries() -> None:
     """No urllib3 retries in MLflow's HTTP calls of this process (unless the user set some):
     each failed try is one quiet exception, and `Outage` decides how long to go on trying."""
     os.environ.setdefault(RETRIES_ENV, "0")
+
+
+def outage_for(mlflow_cfg: Any) -> Outage | None:
+    """The `Outage` of the store `mlflow_cfg` names, when it is a tracking server (its urllib3
+    retries off in this process: `quiet_retries`); None for a database or a SQLite file."""
+    if not is_server(mlflow_cfg.tracking_uri):
+        return None
+    quiet_retries()
+    return Outage(mlflow_cfg.tracking_uri, mlflow_cfg.get("outage_budget_s", OUTAGE_BUDGET_S))
 
 
 def server_gone(error: BaseException) -> bool:

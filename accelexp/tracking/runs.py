@@ -39,8 +39,7 @@ from accelexp.tracking.outage import (
     Outage,
     ServerGoneError,
     Writer,
-    is_server,
-    quiet_retries,
+    outage_for,
 )
 from accelexp.tracking.store import MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE, MAX_PARAMS_PER_BATCH
 
@@ -79,9 +78,7 @@ class Tracker:
         (`life.heal_stale_runs`)."""
         if not self.enabled:
             return
-        if is_server(self.cfg.tracking_uri):  # its outages are waited out (accelexp.outage)
-            quiet_retries()
-            self._outage = Outage(self.cfg.tracking_uri, self.cfg.outage_budget_s)
+        self._outage = outage_for(self.cfg)  # a server's absence is waited out (outage.py)
         self._client, self.experiment_id = store.open_experiment(self.cfg, self._outage)
         if heal:
             life.heal_stale_runs(self._client, [self.experiment_id], "run.py")
@@ -254,7 +251,7 @@ class Tracker:
             output = model(input_example)
         # tensor specs (what the export needs), from numpy arrays
         signature = infer_signature(input_example.numpy(), output.numpy())
-        self._flush()  # its run's writes first; then it waits out a server gone, too
+        self.flush()  # its run's writes first; then it waits out a server gone, too
 
         def log_it() -> None:
             # mlflow.pytorch writes through the fluent API's store and experiment (else it puts
@@ -327,8 +324,9 @@ class Tracker:
             self._failure = error  # the user hears it as the error that ends the run
             raise
 
-    def _flush(self, limit_s: float | None = None) -> None:
-        """Wait until every write so far is sent (at most `limit_s`; a server gone: its budget)."""
+    def flush(self, limit_s: float | None = None) -> None:
+        """Wait until every write so far is sent (at most `limit_s`; a server gone: its budget),
+        e.g. before the process hands the run to another (lockstep's next incarnation)."""
         if self._writer is not None:
             self._writer.flush(limit_s)
 
