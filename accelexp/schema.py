@@ -263,8 +263,8 @@ class MlflowConfig:
     tags: dict[str, str] = key({}, "extra tags for the run, e.g. a study's")
     outage_budget_s: float = key(
         300.0,
-        "a tracking server gone mid-run for less: training goes on, its records wait and are sent "
-        "when it is back; longer: the run stops (resume=auto continues it)",
+        "seconds a tracking server may be gone mid-run: training goes on, its records wait; "
+        "longer stops the run, resume to continue",
     )
 
 

@@ -198,3 +198,10 @@ def test_a_server_gone_past_the_budget_stops_the_run_with_one_message_and_its_ch
     assert tracker.unfinished_run_folders(run.data.tags["config_hash"]) == [
         run.data.tags["output_dir"]
     ]  # what resume=auto takes
+
+
+def test_a_negative_outage_budget_is_refused(compose_cfg):
+    from accelexp.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"mlflow.outage_budget_s=-1.*expected a number >= 0"):
+        validate(compose_cfg("mlflow.outage_budget_s=-1"))

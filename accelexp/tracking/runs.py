@@ -149,9 +149,10 @@ class Tracker:
 
     def rejected_by_autotune(self, setting: str) -> dict[str, str]:
         """The overrides autotune measured on setting `setting` (`record.SETTING_ID`) on this
-        host, in any experiment, and rejected the last time it decided on them: {override: why}."""
-        if not self.enabled:
-            return {}
+        host, in any experiment, and rejected the last time it decided on them: {override: why};
+        none while the tracking server is gone."""
+        if not self.enabled or (self._outage is not None and self._outage.since is not None):
+            return {}  # advice is not worth waiting for a server that is gone
         ids = [e.experiment_id for e in self._client.search_experiments()]
         runs = self._client.search_runs(
             ids,
