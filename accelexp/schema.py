@@ -261,6 +261,11 @@ class MlflowConfig:
     log_model: bool = key(False, "the best weights as an MLflow model (disk, time)")
     log_system_metrics: bool = key(False, "MLflow's CPU, GPU and memory metrics while running")
     tags: dict[str, str] = key({}, "extra tags for the run, e.g. a study's")
+    outage_budget_s: float = key(
+        300.0,
+        "seconds a tracking server may be gone mid-run: training goes on, its records wait; "
+        "longer stops the run, resume to continue",
+    )
 
 
 @dataclass

@@ -350,6 +350,7 @@ def _run(
         )  # fmt: skip
         max_batch.after_training(tree, trial, tracker)
     except lockstep_gate.Reincarnation:  # the run goes on in the next process: still RUNNING
+        tracker.flush()  # what this process logged is sent before it ends
         raise
     except BaseException as error:  # KILLED by a signal or submitit's requeue, else FAILED
         tracker.end(outcome.status_of(error))

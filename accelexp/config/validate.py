@@ -163,6 +163,7 @@ def _rules() -> list[Rule]:
             f"(MLflow opens the schemes {', '.join(s for s in TRACKING_SCHEMES if s)})",
         ),
         ("mlflow.experiment", lambda v: bool(v.strip()), "a non-empty experiment name"),
+        ("mlflow.outage_budget_s", *NON_NEGATIVE),
         (
             "mlflow.artifact_location",
             lambda v: v is None or _scheme(v) in ARTIFACT_SCHEMES,

@@ -40,6 +40,7 @@ from accelexp.tracking.names import (
     where_it_runs,
     where_to_look,
 )
+from accelexp.tracking.outage import outage_for
 from accelexp.tracking.store import (
     MAX_PARAM_VALUE,
     MAX_PARAMS_PER_BATCH,
@@ -109,7 +110,7 @@ def record_failure(
     Returns the run id, or None when the store itself is what failed (nothing can be kept).
     """
     try:  # no healing: the job's own run, whose failure says why it ended
-        client, experiment_id = open_experiment(cfg.mlflow)
+        client, experiment_id = open_experiment(cfg.mlflow, outage_for(cfg.mlflow))
     except TrackingUnavailableError:
         return None
     id_file = Path(output_dir) / RUN_ID_FILE
@@ -137,7 +138,9 @@ def close_run(
     if not id_file.is_file():
         return
     try:
-        client, _ = open_experiment(mlflow_cfg)  # no healing: `status` says how the job ended
+        client, _ = open_experiment(
+            mlflow_cfg, outage_for(mlflow_cfg)
+        )  # no healing: `status` says how the job ended
         run_id = id_file.read_text().strip()
         if client.get_run(run_id).info.status not in keep:
             client.set_terminated(run_id, status=status)
@@ -160,7 +163,7 @@ def start_sweep(
     in this process (`sweep_environment`); returns its run id."""
     from mlflow.entities import Param
 
-    client, experiment_id = open_experiment(mlflow_cfg)
+    client, experiment_id = open_experiment(mlflow_cfg, outage_for(mlflow_cfg))
     heal_stale_runs(client, [experiment_id], "run.py")
     tags = {
         record.SWEEP_PARENT: "true",
@@ -193,7 +196,7 @@ def end_sweep(
     """Close the parent as `status`, or FAILED if any child failed, else FINISHED.
     Returns (children, failed, the link to the parent run in the MLflow UI, or to its
     `artifact`, e.g. `SWEEP_REPORT`; without the UI's command, which each job's end gave)."""
-    client = RetryingClient(mlflow_cfg.tracking_uri)
+    client = RetryingClient(mlflow_cfg.tracking_uri, outage_for(mlflow_cfg))
     experiment_id = client.get_run(run_id).info.experiment_id
     children = client.search_runs(
         [experiment_id], filter_string=f"tags.{record.PARENT_RUN} = '{run_id}'", max_results=10000

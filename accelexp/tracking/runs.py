@@ -23,16 +23,24 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
 
 from accelexp import record
-from accelexp.record import FINISHED
+from accelexp.record import FINISHED, KILLED
 from accelexp.tracking import life, store
 from accelexp.tracking.names import tag_list, where_to_look
+from accelexp.tracking.outage import (
+    KILLED_FLUSH_S,
+    Outage,
+    ServerGoneError,
+    Writer,
+    outage_for,
+)
 from accelexp.tracking.store import MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE, MAX_PARAMS_PER_BATCH
 
 log = logging.getLogger(__name__)
@@ -59,6 +67,9 @@ class Tracker:
         self.experiment_id: str | None = None
         self._client = None
         self._system_monitor = None
+        self._outage: Outage | None = None  # a tracking server's: how long it may be gone
+        self._writer: Writer | None = None  # ... and the thread that writes to it, in order
+        self._failure: BaseException | None = None  # the writer's, once raised to the loop
 
     # --- set-up --------------------------------------------------------------------------
     def connect(self, heal: bool = True) -> None:
@@ -67,7 +78,8 @@ class Tracker:
         (`life.heal_stale_runs`)."""
         if not self.enabled:
             return
-        self._client, self.experiment_id = store.open_experiment(self.cfg)
+        self._outage = outage_for(self.cfg)  # a server's absence is waited out (outage.py)
+        self._client, self.experiment_id = store.open_experiment(self.cfg, self._outage)
         if heal:
             life.heal_stale_runs(self._client, [self.experiment_id], "run.py")
 
@@ -77,10 +89,11 @@ class Tracker:
         from mlflow.entities import Param
 
         self.run_id = life.start_run(self._client, self.cfg, self.experiment_id, run_name, tags)
+        self._start_writer()
         items = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in params.items()]
-        with self._writing("the params"):
-            for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
-                self._client.log_batch(self.run_id, params=items[i : i + MAX_PARAMS_PER_BATCH])
+        for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
+            batch = items[i : i + MAX_PARAMS_PER_BATCH]
+            self._write("the params", partial(self._client.log_batch, self.run_id, params=batch))
         if self.cfg.log_system_metrics:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -96,8 +109,10 @@ class Tracker:
             return
         self.run_id = run_id
         life.resume_run(self._client, run_id)
-        self._client.set_tag(run_id, record.RESUMED_AFTER_EPOCH, str(epoch))
-        self._client.set_tag(run_id, record.OUTPUT_DIR, str(output_dir.resolve()))
+        self._start_writer()
+        self.set_tags(
+            {record.RESUMED_AFTER_EPOCH: str(epoch), record.OUTPUT_DIR: str(output_dir.resolve())}
+        )
         log.info("MLflow run %s continues after epoch %d", run_id, epoch)
 
     # --- runs to continue (resume) -------------------------------------------------------
@@ -134,9 +149,10 @@ class Tracker:
 
     def rejected_by_autotune(self, setting: str) -> dict[str, str]:
         """The overrides autotune measured on setting `setting` (`record.SETTING_ID`) on this
-        host, in any experiment, and rejected the last time it decided on them: {override: why}."""
-        if not self.enabled:
-            return {}
+        host, in any experiment, and rejected the last time it decided on them: {override: why};
+        none while the tracking server is gone."""
+        if not self.enabled or (self._outage is not None and self._outage.since is not None):
+            return {}  # advice is not worth waiting for a server that is gone
         ids = [e.experiment_id for e in self._client.search_experiments()]
         runs = self._client.search_runs(
             ids,
@@ -165,8 +181,7 @@ class Tracker:
         batch = [
             Metric(k, significant(v), now, step or 0) for k, v in metrics.items() if v is not None
         ]
-        with self._writing("the metrics"):
-            self._client.log_batch(self.run_id, metrics=batch)
+        self._write("the metrics", partial(self._client.log_batch, self.run_id, metrics=batch))
 
     def log_series(self, values: Mapping[str, Mapping[int, float]]) -> None:
         """Metrics with a value per step of their own: {name: {step: value}}."""
@@ -181,10 +196,8 @@ class Tracker:
             for step, v in series.items()
         ]
         for start in range(0, len(batch), MAX_METRICS_PER_BATCH):
-            with self._writing("the metrics"):
-                self._client.log_batch(
-                    self.run_id, metrics=batch[start : start + MAX_METRICS_PER_BATCH]
-                )
+            part = batch[start : start + MAX_METRICS_PER_BATCH]
+            self._write("the metrics", partial(self._client.log_batch, self.run_id, metrics=part))
 
     def log_dataset(
         self, name: str, identity: Mapping[str, Any], source: Path | str, context: str = "training"
@@ -209,13 +222,17 @@ class Tracker:
             origin = CodeDatasetSource({"code": source, **{k: str(v) for k, v in identity.items()}})
         dataset = MetaDataset(origin, name=name, digest=digest)._to_mlflow_entity()
         tags = [InputTag(MLFLOW_DATASET_CONTEXT, context)]
-        with self._writing(f"the data set {name}"):
+        run_id, client = self.run_id, self._client
+
+        def log_input() -> None:
             try:
-                self._client.log_inputs(self.run_id, datasets=[DatasetInput(dataset, tags)])
+                client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags)])
             except Exception as error:  # a job beside it made the same set at the same moment
                 if "UNIQUE constraint failed: datasets" not in str(error):
                     raise
-                self._client.log_inputs(self.run_id, datasets=[DatasetInput(dataset, tags)])
+                client.log_inputs(run_id, datasets=[DatasetInput(dataset, tags)])
+
+        self._write(f"the data set {name}", log_input)
 
     def log_model(self, model: Any, input_example: Any, name: str = "model") -> None:
         """`model` (a torch module on the CPU) as an MLflow model of this run, for the UI's Models
@@ -235,11 +252,13 @@ class Tracker:
             output = model(input_example)
         # tensor specs (what the export needs), from numpy arrays
         signature = infer_signature(input_example.numpy(), output.numpy())
-        # mlflow.pytorch writes through the fluent API's store and experiment (else it puts the
-        # model in experiment 0, whose artifacts go to ./mlruns)
-        mlflow.set_tracking_uri(self.cfg.tracking_uri)
-        mlflow.set_experiment(experiment_id=self.experiment_id)
-        try:
+        self.flush()  # its run's writes first; then it waits out a server gone, too
+
+        def log_it() -> None:
+            # mlflow.pytorch writes through the fluent API's store and experiment (else it puts
+            # the model in experiment 0, whose artifacts go to ./mlruns)
+            mlflow.set_tracking_uri(self.cfg.tracking_uri)
+            mlflow.set_experiment(experiment_id=self.experiment_id)
             mlflow.pytorch.log_model(
                 model,
                 name=name,
@@ -248,6 +267,14 @@ class Tracker:
                 input_example=input_example.numpy(),
                 pip_requirements=mlflow.pytorch.get_default_pip_requirements(),
             )
+
+        try:
+            if self._outage is not None:
+                self._outage.call(log_it)
+            else:
+                log_it()
+        except ServerGoneError:  # the run stops: its server is gone past the budget
+            raise
         except Exception as error:
             log.warning("Could not log the model of run %s to MLflow: %s", self.run_id, error)
 
@@ -255,36 +282,80 @@ class Tracker:
         if not self.enabled:
             return
         path = Path(path)
-        with self._writing(f"the artifact {path.name}"):
-            if path.is_dir():
-                self._client.log_artifacts(self.run_id, str(path), artifact_path)
-            elif path.is_file():
-                self._client.log_artifact(self.run_id, str(path), artifact_path)
+        if path.is_dir():
+            write = partial(self._client.log_artifacts, self.run_id, str(path), artifact_path)
+        elif path.is_file():
+            write = partial(self._client.log_artifact, self.run_id, str(path), artifact_path)
+        else:
+            return
+        self._write(f"the artifact {path.name}", write)
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
         if not self.enabled:
             return
-        with self._writing("the tags"):
-            self._client.log_batch(self.run_id, tags=tag_list(tags))
+        self._write("the tags", partial(self._client.log_batch, self.run_id, tags=tag_list(tags)))
 
     def log_text(self, text: str, artifact_file: str) -> None:
         """`text` as the artifact `artifact_file` (e.g. diagnosis.md) of this run."""
         if not self.enabled:
             return
-        with self._writing(f"the artifact {artifact_file}"):
-            self._client.log_text(self.run_id, text, artifact_file)
+        write = partial(self._client.log_text, self.run_id, text, artifact_file)
+        self._write(f"the artifact {artifact_file}", write)
 
     def _writing(self, what: str) -> contextlib.AbstractContextManager[None]:
         """A store that stops taking writes mid-run (a full disk, a server gone) is one message."""
         return store.writing(self.cfg.tracking_uri, what, self.run_id)
 
+    # --- writes: to a tracking server by a thread of their own, in order ---------------------
+    def _start_writer(self) -> None:
+        if self._outage is not None and self._writer is None:
+            self._writer = Writer(self._outage, self.run_id)
+
+    def _write(self, what: str, write: Callable[[], Any]) -> None:
+        """`write` (`what` names it in an error): handed to the writer's thread when the store
+        is a tracking server (the loop goes on; the writer's failure, a server gone past the
+        budget, is raised here, at the next write), else done now."""
+        if self._writer is None:
+            with self._writing(what):
+                write()
+            return
+        try:
+            self._writer.put(what, write)
+        except BaseException as error:
+            self._failure = error  # the user hears it as the error that ends the run
+            raise
+
+    def flush(self, limit_s: float | None = None) -> None:
+        """Wait until every write so far is sent (at most `limit_s`; a server gone: its budget),
+        e.g. before the process hands the run to another (lockstep's next incarnation)."""
+        if self._writer is not None:
+            self._writer.flush(limit_s)
+
     def end(self, status: str = FINISHED) -> None:
-        """Close the run as FINISHED, FAILED or KILLED (`life.end_run`); what was logged before
-        stays. A store that fails here is said in a line: the error that ended the run stays
-        the one raised."""
+        """Close the run as FINISHED, FAILED or KILLED (`life.end_run`) once its writes are sent
+        (waiting out a server gone, within its budget; stopped by a signal, `KILLED_FLUSH_S` at
+        most); what was logged before stays. A FINISHED run whose writes cannot be sent raises
+        that error; otherwise a store that fails here is said in a line (not again when it is
+        the error that ended the run), and the error that ended the run stays the one raised."""
         if not self.enabled or self.run_id is None:
             return
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+            try:
+                writer.flush(KILLED_FLUSH_S if status == KILLED else None)
+            except BaseException as error:
+                if status == FINISHED:
+                    raise
+                if error is not self._failure:
+                    log.warning(
+                        "Could not mark MLflow run %s as %s: %s", self.run_id, status, error
+                    )
+                return
         life.end_run(self._client, self.run_id, status, self.where_to_look(), self._system_monitor)
+        gone = self._outage.failure if self._outage is not None else None
+        if gone is not None and status == FINISHED:  # it went again, past the budget, just now
+            raise gone
 
     def where_to_look(self) -> str:
         return where_to_look(self.cfg.tracking_uri, self.experiment_id, self.run_id)

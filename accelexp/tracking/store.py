@@ -3,7 +3,8 @@
 `check_reachable` fails fast, before any data is loaded, with a message that says what to type;
 `open_experiment` opens the store (one process at a time creates a SQLite store's tables:
 `store_lock`) and finds or creates the experiment; `RetryingClient` waits out a SQLite store
-locked by other writers; `writing` turns a store that stops taking writes mid-run (a full disk,
+locked by other writers (and, given a tracking server's `Outage`, a server gone for a while:
+`accelexp.tracking.outage`); `writing` turns a store that stops taking writes mid-run (a full disk,
 a server gone) into one message (`StoreFullError`, `TrackingUnavailableError`).
 """
 
@@ -219,17 +220,20 @@ class RetryingClient:
     counts.
     """
 
-    def __init__(self, uri: str) -> None:
+    def __init__(self, uri: str, outage: Any = None) -> None:
+        """`outage`: a tracking server's `accelexp.tracking.outage.Outage`, whose calls wait out
+        the server's absence (within its budget)."""
         from mlflow import MlflowClient
 
         self._client = MlflowClient(tracking_uri=uri)
+        self.outage = outage
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._client, name)
         if not callable(method):
             return method
 
-        def retrying(*args: Any, **kwargs: Any) -> Any:
+        def locked_retrying(*args: Any, **kwargs: Any) -> Any:
             delay, deadline = 0.1, time.monotonic() + LOCKED_RETRY_S
             while True:
                 try:
@@ -241,13 +245,19 @@ class RetryingClient:
                     time.sleep(delay)
                     delay = min(2 * delay, 2.0)
 
+        def retrying(*args: Any, **kwargs: Any) -> Any:
+            if self.outage is None:
+                return locked_retrying(*args, **kwargs)
+            return self.outage.call(locked_retrying, *args, **kwargs)
+
         return retrying
 
 
-def open_experiment(mlflow_cfg: DictConfig) -> tuple[RetryingClient, str]:
+def open_experiment(mlflow_cfg: DictConfig, outage: Any = None) -> tuple[RetryingClient, str]:
     """Check the store, open it and find or create the experiment `mlflow_cfg.experiment`:
-    (a client, the experiment's id). A store that cannot be opened or written is a
-    `TrackingUnavailableError` (a full disk: `StoreFullError`)."""
+    (a client, the experiment's id; its calls wait out a server gone within `outage`'s budget,
+    when given). A store that cannot be opened or written is a `TrackingUnavailableError` (a
+    full disk: `StoreFullError`)."""
     uri = mlflow_cfg.tracking_uri
     check_reachable(uri)
     _quiet_mlflow_full_disk()
@@ -256,7 +266,7 @@ def open_experiment(mlflow_cfg: DictConfig) -> tuple[RetryingClient, str]:
         with store_lock(uri):  # also: one creator of the experiment
             new = path is not None and not path.exists()
             try:
-                client = RetryingClient(uri)  # migrates a new store
+                client = RetryingClient(uri, outage)  # migrates a new store
                 experiment = client.get_experiment_by_name(mlflow_cfg.experiment)
             except Exception:
                 if new:  # a store half made (a full disk cut its tables short) stays broken
@@ -325,6 +335,8 @@ def writing(uri: str, what: str, run_id: str | None = None) -> Iterator[None]:
     """A store that stops taking writes mid-run (a full disk, a server gone) is one message."""
     try:
         yield
+    except AccelexpError:  # said already (a server gone past the run's outage budget)
+        raise
     except Exception as error:
         if disk_full(error):
             raise StoreFullError(full_store_message(uri, run_id)) from error

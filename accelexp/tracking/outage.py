@@ -1,0 +1,248 @@
+"""A tracking server that goes away mid-run: what the run logs waits, in order, off the loop.
+
+MLflow's own async logging (`synchronous=False`) does not ride out an outage: each batch goes to
+a pool of 10 threads (so batches may land out of order), each call sits in urllib3's retries
+(7, backing off to 2 minutes, a console line each), and a batch that still fails is dropped with
+an ERROR line (`async_logging_queue._log_run_data`); the error reaches the caller only if it
+waits on the returned `RunOperations`. So accelexp keeps its own queue:
+
+- `Writer`: one thread sends a run's writes (metrics, params, tags, texts, artifacts) in the
+  order they were made, while training goes on; the loop only hands them over (`put`).
+- `Outage`: a call that finds the server gone (refused, reset, timed out, a 5xx) is tried again,
+  quietly, until the server answers or `mlflow.outage_budget_s` has passed since it went: one
+  warning when it goes, one when it is back, nothing lost. Past the budget, the next call of the
+  run raises one `ServerGoneError` naming the server and what to do. MLflow's own urllib3
+  retries are off in such a process (`quiet_retries`): the budget is the one policy.
+
+Only a tracking server (`http(s)://`) is written this way: a SQLite store is a local file,
+written in the loop's thread as before.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from accelexp.tracking import credentials
+from accelexp.tracking.store import TrackingUnavailableError, first_line, writing
+
+log = logging.getLogger(__name__)
+
+RETRIES_ENV = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"  # MLflow's urllib3 retries (7 by default)
+FIRST_WAIT_S, LONGEST_WAIT_S = 0.25, 2.0  # between tries while the server is gone
+OUTAGE_BUDGET_S = 300.0  # mlflow.outage_budget_s of a config from before the key
+KILLED_FLUSH_S = 10.0  # a run stopped by a signal waits this long at most for its writes
+TRANSIENT_HTTP = ("too many 408", "too many 429", "too many 5")  # urllib3's "too many 503 ..."
+GONE_TEXTS = (
+    "Connection refused",
+    "Connection reset",
+    "Connection aborted",
+    "Failed to establish a new connection",
+    "Max retries exceeded",
+    "RemoteDisconnected",
+    "timed out",
+    "timeout exception",
+)
+
+T = TypeVar("T")
+
+
+class ServerGoneError(TrackingUnavailableError):
+    """The tracking server stayed away longer than the run's outage budget."""
+
+
+def is_server(uri: str) -> bool:
+    """A tracking server's URI (http, https), whose outages a run rides out."""
+    return uri.startswith(("http://", "https://"))
+
+
+def quiet_retries() -> None:
+    """No urllib3 retries in MLflow's HTTP calls of this process (unless the user set some):
+    each failed try is one quiet exception, and `Outage` decides how long to go on trying."""
+    os.environ.setdefault(RETRIES_ENV, "0")
+
+
+def outage_for(mlflow_cfg: Any) -> Outage | None:
+    """The `Outage` of the store `mlflow_cfg` names, when it is a tracking server (its urllib3
+    retries off in this process: `quiet_retries`); None for a database or a SQLite file."""
+    if not is_server(mlflow_cfg.tracking_uri):
+        return None
+    quiet_retries()
+    return Outage(mlflow_cfg.tracking_uri, mlflow_cfg.get("outage_budget_s", OUTAGE_BUDGET_S))
+
+
+def server_gone(error: BaseException) -> bool:
+    """Whether `error` says the server did not answer (rather than refused the request): a
+    connection refused or reset, a timeout, a 5xx, anywhere in its chain (MLflow wraps the
+    requests error in an `MlflowException` of its text)."""
+    seen: set[int] = set()
+    chain: list[BaseException | None] = [error]
+    while chain:
+        link = chain.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        name = type(link).__name__
+        if name in ("ConnectionError", "ConnectTimeout", "ReadTimeout", "RetryError"):
+            return True
+        text = str(link)
+        if any(t in text for t in GONE_TEXTS) or any(t in text for t in TRANSIENT_HTTP):
+            return True
+        chain += [link.__cause__, link.__context__]
+    return False
+
+
+class Outage:
+    """One run's server and how long it may be gone (`budget_s`): calls made through `call`, by
+    the loop's thread or the writer's, wait it out together, with one warning line when it goes
+    and one when it is back."""
+
+    def __init__(self, uri: str, budget_s: float) -> None:
+        self.uri, self.budget_s = uri, budget_s
+        self.since: float | None = None  # when the server was first found gone
+        self.failure: ServerGoneError | None = None  # the budget ran out: the run stops
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)`, tried again while the server is gone, within the budget."""
+        wait = FIRST_WAIT_S
+        while True:
+            if self.failure is not None:
+                raise self.failure
+            try:
+                result = fn(*args, **kwargs)
+            except ServerGoneError:  # a call within this one ran out of the budget
+                raise
+            except Exception as error:
+                if not server_gone(error):
+                    raise
+                left = self._gone(error)
+                time.sleep(min(wait, max(left, 0.0)))
+                wait = min(2 * wait, LONGEST_WAIT_S)
+                continue
+            if self.since is not None:
+                self._back()
+            return result
+
+    def _gone(self, error: BaseException) -> float:
+        """Say the server went (once an outage); raise past the budget; else the time left."""
+        with self._lock:
+            now = time.monotonic()
+            if self.since is None:
+                self.since = now
+                log.warning(
+                    "The MLflow tracking server at %s does not answer (%s): training goes on, and "
+                    "what the run logs waits here, in order, for up to %g s "
+                    "(mlflow.outage_budget_s).",
+                    credentials.redact(self.uri), credentials.redact(cause(error)),
+                    self.budget_s,
+                )  # fmt: skip
+            left = self.since + self.budget_s - now
+            if left < 0 and self.failure is None:
+                self.failure = ServerGoneError(self.message(now - self.since))
+            if self.failure is not None:
+                raise self.failure from error
+            return left
+
+    def _back(self) -> None:
+        with self._lock:
+            if self.since is None:
+                return
+            gone_s, self.since = time.monotonic() - self.since, None
+        log.warning(
+            "The MLflow tracking server at %s answers again after %.0f s: what waited is sent, "
+            "in order; nothing is lost.",
+            credentials.redact(self.uri), gone_s,
+        )  # fmt: skip
+
+    def message(self, gone_s: float) -> str:
+        return (
+            f"The MLflow tracking server at {credentials.redact(self.uri)} has not answered for "
+            f"{gone_s:.0f} s, longer than mlflow.outage_budget_s={self.budget_s:g}: the run stops "
+            f"here. What it logged before the server went is kept; its run stays RUNNING until "
+            f"the next run.py or accelexp-report on this host marks it FAILED. Start the server "
+            f"again (or raise mlflow.outage_budget_s)."
+        )
+
+
+def cause(error: BaseException) -> str:
+    """What the failed call met, in a few words: the innermost error's first line."""
+    link = error
+    while link.__cause__ is not None or link.__context__ is not None:
+        link = link.__cause__ or link.__context__
+    text = first_line(link)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+class Writer:
+    """A run's writes, sent in order by one thread through `outage` while training goes on.
+
+    `put` hands a write over (or raises the failure that stopped the writer: the run stops at its
+    next write, between epochs); `flush` waits until all are sent (the run's end)."""
+
+    def __init__(self, outage: Outage, run_id: str | None = None) -> None:
+        self.outage, self.run_id = outage, run_id
+        self.failure: BaseException | None = None
+        self._queue: collections.deque[tuple[str, Callable[[], Any]]] = collections.deque()
+        self._changed = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._send, name="accelexp-mlflow", daemon=True)
+        self._thread.start()
+
+    def put(self, what: str, write: Callable[[], Any]) -> None:
+        """Send `write` (`what`, e.g. "the metrics", names it in an error) after those before."""
+        with self._changed:
+            if self.failure is not None:
+                raise self.failure
+            self._queue.append((what, write))
+            self._changed.notify_all()
+
+    def flush(self, limit_s: float | None = None) -> None:
+        """Wait until every write is sent (at most `limit_s`); raise the writer's failure."""
+        deadline = None if limit_s is None else time.monotonic() + limit_s
+        with self._changed:
+            while self._queue and self.failure is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._changed.wait(left)
+            if self.failure is not None:
+                raise self.failure
+            if self._queue:
+                raise TrackingUnavailableError(
+                    f"{len(self._queue)} write(s) of run {self.run_id} could not be sent to the "
+                    f"MLflow tracking server at {credentials.redact(self.outage.uri)} in "
+                    f"{limit_s:g} s."
+                )
+
+    def close(self) -> None:
+        """No more writes: the thread ends once it has sent (or given up on) those queued."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def _send(self) -> None:
+        while True:
+            with self._changed:
+                while not self._queue and not self._closed:
+                    self._changed.wait()
+                if not self._queue:
+                    return
+                what, write = self._queue[0]
+            try:
+                with writing(self.outage.uri, what, self.run_id):
+                    self.outage.call(write)
+            except BaseException as error:  # the run stops at its next write
+                with self._changed:
+                    self.failure = error
+                    self._queue.clear()
+                    self._changed.notify_all()
+                return
+            with self._changed:
+                self._queue.popleft()
+                self._changed.notify_all()
