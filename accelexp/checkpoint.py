@@ -317,13 +317,12 @@ def save_shards(
     name = world.broadcast_object(f"{SHARDS}e{epoch:04d}-{secrets.token_hex(4)}")
     folder = checkpoints / name
     error: BaseException | None = None
-    mine: dict[str, list] = {}
+    seen: list[str] = []
     # a signal inside the collective write would stop one rank in it: the job stops after it
     with signals.deferred():
         try:
             dcp.save(state, storage_writer=dcp.FileSystemWriter(folder))
-            files = sorted(folder.iterdir())[rank::size]  # this rank's share to hash
-            mine = {f.name: [f.stat().st_size, _sha256(f)] for f in files}
+            seen = sorted(f.name for f in folder.iterdir())
         except (OSError, CheckpointException) as failed:  # DCP: every rank's, on every rank
             error = failed
     if error is not None:
@@ -333,7 +332,16 @@ def save_shards(
             f"run in another folder (hydra.run.dir=...). The run is FAILED; what it logged is kept "
             f"in MLflow, and the last checkpoint written before, if any, is intact (resume=auto)."
         ) from error
-    hashed = world.gather_object(mine)
+    views = world.gather_object(seen)
+    if any(view != views[0] for view in views):
+        raise StorageError(
+            f"The ranks do not see one checkpoint folder: {folder} holds {views[0]} for rank 0 "
+            f"but {next(v for v in views if v != views[0])} for another. Each rank writes its "
+            f"shards of the training state there: put the run folder (hydra.run.dir) on a "
+            f"filesystem every rank shares."
+        )
+    files = [folder / f for f in seen[rank::size]]  # this rank's share to hash
+    hashed = world.gather_object({f.name: [f.stat().st_size, _sha256(f)] for f in files})
     if rank != 0:
         return None
     return {"folder": name, "files": {k: v for part in hashed for k, v in part.items()},
