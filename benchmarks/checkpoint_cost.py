@@ -9,8 +9,8 @@ This is paid once per epoch, outside the timed training steps (`samples_per_s`).
 `--fsdp N`: the same models sharded over N FSDP2 workers (Gloo, this machine's CPU), saved both
 ways an FSDP run can: gathered to rank 0 into one file (as before shards) and as shards every
 worker writes in parallel (`checkpoint.save_shards`, torch.distributed.checkpoint, each worker
-hashing its share, then `last.pt` naming them); the median and range over the repeats of the
-slowest worker's wall time per save.
+hashing its share, then `last.pt` naming them), the two taken in turns after one warm-up turn;
+the median and range over the repeats of the slowest worker's wall time per save.
 
     python benchmarks/checkpoint_cost.py
     python benchmarks/checkpoint_cost.py --models resnet50 --repeats 9
@@ -121,14 +121,16 @@ def fsdp_worker(rank: int, size: int, name: str, repeats: int, folder: str, port
             state = small_state(optimizer, shards=shards)
             checkpoint.save(checkpoints / "sharded" / checkpoint.LAST, state, keep_previous=True)
 
-    for way, save in (("gathered", gathered), ("sharded", sharded)):
-        walls = []
-        for _ in range(repeats):
+    ways = {"gathered": gathered, "sharded": sharded}
+    walls: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(repeats + 1):  # the two ways taken in turns; the first turn warms up
+        for way, save in ways.items():
             dist.barrier()
             wall = time.perf_counter()
             save()
-            walls.append(World().gather_object(time.perf_counter() - wall))
-        slowest = sorted(max(w) for w in walls)
+            walls[way].append(max(World().gather_object(time.perf_counter() - wall)))
+    for way in ways:
+        slowest = sorted(walls[way][1:])
         if rank == 0:
             print(
                 f"{name} on {size} FSDP workers, {way}: median {statistics.median(slowest):.3f} s "
