@@ -286,6 +286,8 @@ def _run(
         progress = restore(state, strategy, model, optimizer, scheduler, generator)
         log.info("Resuming after epoch %d of %d from %s", progress.epoch, cfg.epochs, resume_from)
         tracker.resume(state["run_id"], progress.epoch, output_dir)
+        if len(state["rng"]) != strategy.shape.world_size:  # resharded on another world
+            tracker.set_tags({record.RESUMED_WORLD_SIZE: str(strategy.shape.world_size)})
     elif strategy.shape.is_main and checkpoint.restarted() and (output_dir / RUN_ID_FILE).is_file():
         # restarted before its first checkpoint: the same run starts over
         tracker.resume((output_dir / RUN_ID_FILE).read_text().strip(), 0, output_dir)

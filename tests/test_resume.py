@@ -272,6 +272,7 @@ def test_an_fsdp_checkpoint_of_one_worker_resumes_on_two(tmp_path, tracking_uri)
     assert resumed.info.run_id == uninterrupted.info.run_id
     assert resumed.info.status == "FINISHED"
     assert resumed.data.tags["resumed_after_epoch"] == "1"
+    assert resumed.data.tags["resumed_world_size"] == "2"  # its params: the first world's, 1
     two = final_state(tmp_path / "two")
     assert two["shards"]["world_size"] == 2 and len(two["shards"]["files"]) == 3  # + .metadata
     assert_same_state(two, final_state(tmp_path / "one"), rtol=1e-4)
@@ -310,4 +311,5 @@ def test_an_fsdp_checkpoint_of_two_workers_resumes_on_one(tmp_path, compose_cfg,
     resumed = the_run(store)
     assert resumed.info.status == "FINISHED"
     assert resumed.data.tags["resumed_after_epoch"] == "1"
+    assert resumed.data.tags["resumed_world_size"] == "1"
     assert final_state(tmp_path / "one")["progress"]["epoch"] == EPOCHS
