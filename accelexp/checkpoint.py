@@ -325,14 +325,16 @@ def save_shards(
             seen = sorted(f.name for f in folder.iterdir())
         except (OSError, CheckpointException) as failed:  # DCP: every rank's, on every rank
             error = failed
-    if error is not None:
-        said = (str(error).splitlines() or [type(error).__name__])[0][:300]
+    said = (str(error).splitlines() or [type(error).__name__])[0][:300] if error else None
+    # every rank learns of any rank's failure, and each stops with it rather than wait for it
+    views, failures = zip(*world.gather_object((seen, said)), strict=True)
+    if any(failures):
         raise StorageError(
-            f"Could not write the checkpoint's shards in {folder}: {said}. Free space there, or "
-            f"run in another folder (hydra.run.dir=...). The run is FAILED; what it logged is kept "
-            f"in MLflow, and the last checkpoint written before, if any, is intact (resume=auto)."
+            f"Could not write the checkpoint's shards in {folder}: "
+            f"{next(f for f in failures if f)}. Free space there, or run in another folder "
+            f"(hydra.run.dir=...). The run is FAILED; what it logged is kept in MLflow, and the "
+            f"last checkpoint written before, if any, is intact (resume=auto)."
         ) from error
-    views = world.gather_object(seen)
     if any(view != views[0] for view in views):
         raise StorageError(
             f"The ranks do not see one checkpoint folder: {folder} holds {views[0]} for rank 0 "

@@ -136,7 +136,7 @@ def test_a_sharded_checkpoint_counts_once_named_and_is_checked_shard_by_shard(tm
     """As an FSDP run saves it (`save_shards`, then `last.pt` naming the shards' folder), here by
     one process: a folder no `last.pt` names (a save cut short) is removed by the next save, the
     one `previous.pt` names is kept; a shard cut short is refused by the record, naming the last
-    good one, which still reads whole."""
+    good one, which still reads whole; shards that cannot be written are one StorageError."""
     folder = tmp_path / "checkpoints"
     last, previous = folder / "last.pt", folder / "previous.pt"
     alone = Sync(ParallelismConfig())  # one process: its collectives are itself
@@ -161,3 +161,7 @@ def test_a_sharded_checkpoint_counts_once_named_and_is_checked_shard_by_shard(tm
     assert f"its shard {shard} is " in str(refused.value)
     assert "(cut short?). The last good one is " in str(refused.value)
     assert torch.equal(checkpoint.read_whole(previous)["model"]["w"], torch.full((4096,), 1.0))
+
+    (tmp_path / "in-the-way").write_text("a file, not a folder")
+    with pytest.raises(checkpoint.StorageError, match=r"Could not write the checkpoint's shards"):
+        checkpoint.save_shards(tmp_path / "in-the-way", {"w": torch.ones(4)}, 3, alone, 0, 1)
