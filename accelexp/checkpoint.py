@@ -19,17 +19,18 @@ by `torch.load` alone. The `last.pt` replaced by a new one is kept as `previous.
 record), so a checkpoint cut short or altered on disk (`CheckpointError`) names a good one to
 continue from.
 
-A strategy that shards the training state (`Strategy.checkpoint_sharded`: FSDP's) does not gather
-it: every rank writes its shards of the model's and optimizer's states in parallel with
-`torch.distributed.checkpoint` (DCP) into a new folder beside `last.pt` (`state-e0002-<hex>/`:
-one `.distcp` file per rank and DCP's `.metadata`; `save_shards`), which then names that folder
-and holds the rest (progress, RNG states, scheduler, scaler). The shards' sizes and sha256s are
-in `last.pt`'s record, checked with it; the folder counts only once a whole `last.pt` names it,
-so a save cut short leaves the previous checkpoint the one resumed, and folders no checkpoint
-names are removed by the next save. DCP reshards on load: such a checkpoint resumes on another
-number of workers (`parallelism.nprocs`, and the batch split with it: `data.batch_size`,
-`parallelism.accumulate_steps`). The run folder must be on a filesystem every rank sees.
-`read_whole` reads any `last.pt` back as one dict of plain tensors, in one process.
+A strategy that shards the training state (`Strategy.checkpoint_sharded`, as its sync says)
+gathers none of it: every rank writes its shards of the model's and optimizer's states with
+`torch.distributed.checkpoint` (DCP), in parallel, into a new folder beside `last.pt`
+(`state-e0002-<hex>/`: one `.distcp` file per rank and DCP's `.metadata`; `save_shards`), and
+`last.pt` then names that folder and holds the rest (progress, RNG states, scheduler, scaler).
+The shards' sizes and sha256s are in `last.pt`'s record, checked with it; the folder counts only
+once a whole `last.pt` names it, so a save cut short leaves the previous checkpoint the one
+resumed, and folders no checkpoint names are removed by the next save. DCP reshards on load:
+such a checkpoint resumes on another number of workers (`parallelism.nprocs`, and the batch
+split with it: `data.batch_size`, `parallelism.accumulate_steps`). The run folder must be on a
+filesystem every rank sees. `read_whole` reads any `last.pt` back as one dict of plain tensors,
+in one process.
 
 `resume` picks the checkpoint to continue from (`find_resume`); a restarted job — torchrun's
 `--max-restarts`, a Slurm requeue — always continues from its own folder's.
@@ -457,7 +458,7 @@ def restore(
                 f"The checkpoint was written by a world of {saved} rank(s); this is rank "
                 f"{rank}. Resume with the same parallelism.nprocs as the run it continues."
             )
-        load_model(state["model"])  # the strategy's: FSDP reshards the whole state
+        load_model(state["model"])  # the strategy's: a sharding one reshards the whole state
         load_optimizer(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     load_scaler(state["scaler"])  # the precision's: its GradScaler's state, if it has one
