@@ -6,11 +6,12 @@ best validation accuracy and time to target so far, the training seconds spent, 
 of every rank (Python, NumPy, torch CPU and CUDA, the train loader's augmentation generator),
 the MLflow run id and the resolved config. `checkpoints/best.pt` holds the best weights.
 
-Only the main rank writes (DDP and Horovod replicas are equal; a model cut into stages is one
-module in its process), after the ranks' RNG states are gathered to it. Only the main rank reads;
-the state reaches the others by broadcast (`Strategy.broadcast_object`), so no rank ever reads
-another node's disk. Files are written to a temporary name, flushed and renamed: a checkpoint is
-whole or absent, never half-written, whenever the job is stopped.
+Only the main rank writes its files (DDP and Horovod replicas are equal; a model cut into stages
+is one module in its process), after the ranks' RNG states are gathered to it. Only the main rank
+reads them; the state reaches the others by broadcast (`Strategy.broadcast_object`), so no rank
+reads another node's disk — but for a sharded state's shards (below), which every rank writes
+and reads. Files are written to a temporary name, flushed and renamed: a checkpoint is whole or
+absent, never half-written, whenever the job is stopped.
 
 Each file gets its record, written last beside it (`last.pt.json`: its size and sha256, and the
 MLflow run it belongs to), and is checked against it before it is read (`load`); a file without
