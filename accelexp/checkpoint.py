@@ -6,11 +6,12 @@ best validation accuracy and time to target so far, the training seconds spent, 
 of every rank (Python, NumPy, torch CPU and CUDA, the train loader's augmentation generator),
 the MLflow run id and the resolved config. `checkpoints/best.pt` holds the best weights.
 
-Only the main rank writes (DDP and Horovod replicas are equal; a model cut into stages is one
-module in its process), after the ranks' RNG states are gathered to it. Only the main rank reads;
-the state reaches the others by broadcast (`Strategy.broadcast_object`), so no rank ever reads
-another node's disk. Files are written to a temporary name, flushed and renamed: a checkpoint is
-whole or absent, never half-written, whenever the job is stopped.
+Only the main rank writes its files (DDP and Horovod replicas are equal; a model cut into stages
+is one module in its process), after the ranks' RNG states are gathered to it. Only the main rank
+reads them; the state reaches the others by broadcast (`Strategy.broadcast_object`), so no rank
+reads another node's disk — but for a sharded state's shards (below), which every rank writes
+and reads. Files are written to a temporary name, flushed and renamed: a checkpoint is whole or
+absent, never half-written, whenever the job is stopped.
 
 Each file gets its record, written last beside it (`last.pt.json`: its size and sha256, and the
 MLflow run it belongs to), and is checked against it before it is read (`load`); a file without
@@ -18,6 +19,19 @@ one (written before records existed, or stopped between the rename and the recor
 by `torch.load` alone. The `last.pt` replaced by a new one is kept as `previous.pt` (with its
 record), so a checkpoint cut short or altered on disk (`CheckpointError`) names a good one to
 continue from.
+
+A strategy that shards the training state (`Strategy.checkpoint_sharded`, as its sync says)
+gathers none of it: every rank writes its shards of the model's and optimizer's states with
+`torch.distributed.checkpoint` (DCP), in parallel, into a new folder beside `last.pt`
+(`state-e0002-<hex>/`: one `.distcp` file per rank and DCP's `.metadata`; `save_shards`), and
+`last.pt` then names that folder and holds the rest (progress, RNG states, scheduler, scaler).
+The shards' sizes and sha256s are in `last.pt`'s record, checked with it; the folder counts only
+once a whole `last.pt` names it, so a save cut short leaves the previous checkpoint the one
+resumed, and folders no checkpoint names are removed by the next save. DCP reshards on load:
+such a checkpoint resumes on another number of workers (`parallelism.nprocs`, and the batch
+split with it: `data.batch_size`, `parallelism.accumulate_steps`). The run folder must be on a
+filesystem every rank sees. `read_whole` reads any `last.pt` back as one dict of plain tensors,
+in one process.
 
 `resume` picks the checkpoint to continue from (`find_resume`); a restarted job — torchrun's
 `--max-restarts`, a Slurm requeue — always continues from its own folder's.
@@ -31,11 +45,13 @@ import json
 import logging
 import os
 import random
+import secrets
 import shutil
+import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -48,6 +64,10 @@ from accelexp.errors import AccelexpError, ConfigError
 log = logging.getLogger(__name__)
 
 LAST, BEST, PREVIOUS = "last.pt", "best.pt", "previous.pt"
+SHARDS = "state-"  # the folders of sharded training states: state-e0002-<hex>
+# what may change on resuming a sharded checkpoint at another `parallelism.nprocs`: the world's
+# size, and how its global batch is split (keep it: data.batch_size x nprocs x accumulate_steps)
+WORLD_KEYS = ("parallelism.nprocs", "data.batch_size", "parallelism.accumulate_steps")
 # restarts of one job: torchrun's restarts of its workers, Slurm's requeues of a job
 # and a lockstep job's fresh process after its epochs (accelexp.lockstep.gate.INCARNATION_ENV)
 RESTART_ENV = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "ACCELEXP_INCARNATION")
@@ -142,7 +162,12 @@ def save(path: Path, payload: Mapping[str, Any], *, keep_previous: bool = False)
             record_of(path).unlink(missing_ok=True)  # no record of the old file for the new one
             tmp.replace(path)
             record = {"size": written.size, "sha256": written.sha256.hexdigest()}
-            _write_whole(record_of(path), json.dumps({**record, "run_id": payload.get("run_id")}))
+            record |= {"run_id": payload.get("run_id")}
+            if payload.get("shards"):  # the shards' folder and digests, checked with the file
+                record["shards"] = payload["shards"]
+            _write_whole(record_of(path), json.dumps(record))
+            if path.name == LAST:
+                _drop_unnamed_shards(path.parent)
         except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
@@ -182,7 +207,10 @@ def load(path: Path) -> dict[str, Any]:
     problem = _problem(path)
     if problem is None:
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            if isinstance(state, dict) and state.get("shards"):  # where they are, for every rank
+                state["shards"]["path"] = str(path.parent / state["shards"]["folder"])
+            return state
         except Exception as error:  # miniz, unpickling, EOF: torch.load's many ways to say it
             said = (str(error).splitlines() or [type(error).__name__])[0]
             problem = f"torch.load cannot read it ({said[:200]})"
@@ -222,6 +250,25 @@ def _problem(path: Path, digest: bool = True) -> str | None:
             return f"its sha256 is not the one {record_of(path).name} recorded when it was written"
     except OSError as error:
         return str(error)
+    return _shards_problem(path.parent, record.get("shards"), digest)
+
+
+def _shards_problem(folder: Path, shards: object, digest: bool) -> str | None:
+    """What is wrong with a sharded checkpoint's folder by the sizes (and sha256s) of its files
+    as they were written, or None."""
+    if not shards:
+        return None
+    where = folder / shards["folder"]
+    for name, (size, sha256) in sorted(shards["files"].items()):
+        file = where / name
+        try:
+            found = file.stat().st_size
+        except OSError:
+            return f"its shard {file} is missing"
+        if found != size:
+            return f"its shard {file} is {found} bytes but was written as {size} (cut short?)"
+        if digest and _sha256(file) != sha256:
+            return f"the sha256 of its shard {file} is not the one recorded when it was written"
     return None
 
 
@@ -248,22 +295,129 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+# --- sharded training states (torch.distributed.checkpoint) ----------------------------------
+class Collectives(Protocol):
+    """What `save_shards` asks of the world (a strategy's `sync`)."""
+
+    def broadcast_object(self, obj: object) -> object: ...
+
+    def gather_object(self, obj: object) -> list: ...
+
+
+def save_shards(
+    checkpoints: Path, state: dict[str, Any], epoch: int, world: Collectives, rank: int, size: int
+) -> dict[str, Any] | None:
+    """Every rank: `state` (the model's and optimizer's state dicts as this rank holds them,
+    `Strategy.sharded_state_dict`) written with `torch.distributed.checkpoint` into a new folder
+    of `checkpoints`, each rank its own shards, in parallel; each rank then hashes its share of
+    the folder's files. Returns, on the main rank, what `training_state` keeps of them (the
+    folder's name, each file's size and sha256, the world's size); None on the others. The
+    folder counts once a whole `last.pt` names it (`save`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    name = world.broadcast_object(f"{SHARDS}e{epoch:04d}-{secrets.token_hex(4)}")
+    folder = checkpoints / name
+    error: BaseException | None = None
+    seen: list[str] = []
+    # a signal inside the collective write would stop one rank in it: the job stops after it
+    with signals.deferred():
+        try:
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(folder))
+            seen = sorted(f.name for f in folder.iterdir())
+        except (OSError, CheckpointException) as failed:  # DCP: every rank's, on every rank
+            error = failed
+    said = (str(error).splitlines() or [type(error).__name__])[0][:300] if error else None
+    # every rank learns of any rank's failure, and each stops with it rather than wait for it
+    views, failures = zip(*world.gather_object((seen, said)), strict=True)
+    if any(failures):
+        raise StorageError(
+            f"Could not write the checkpoint's shards in {folder}: "
+            f"{next(f for f in failures if f)}. Free space there, or run in another folder "
+            f"(hydra.run.dir=...). The run is FAILED; what it logged is kept in MLflow, and the "
+            f"last checkpoint written before, if any, is intact (resume=auto)."
+        ) from error
+    if any(view != views[0] for view in views):
+        raise StorageError(
+            f"The ranks do not see one checkpoint folder: {folder} holds {views[0]} for rank 0 "
+            f"but {next(v for v in views if v != views[0])} for another. Each rank writes its "
+            f"shards of the training state there: put the run folder (hydra.run.dir) on a "
+            f"filesystem every rank shares."
+        )
+    files = [folder / f for f in seen[rank::size]]  # this rank's share to hash
+    hashed = world.gather_object({f.name: [f.stat().st_size, _sha256(f)] for f in files})
+    if rank != 0:
+        return None
+    return {"folder": name, "files": {k: v for part in hashed for k, v in part.items()},
+            "world_size": size}  # fmt: skip
+
+
+def read_shards(folder: Path, state: dict[str, Any]) -> None:
+    """Every rank: fill `state` (its own sharded state dicts, the shapes to read into) from a
+    folder `save_shards` wrote, resharded for this world (any number of ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
+    except (OSError, CheckpointException) as error:
+        said = (str(error).splitlines() or [type(error).__name__])[0][:300]
+        raise CheckpointError(
+            f"The checkpoint's shards in {folder} cannot be read here: {said}. Every rank reads "
+            f"them: the run folder must be on a filesystem all ranks share. Start afresh without "
+            f"resume, or resume from previous.pt."
+        ) from error
+
+
+def read_whole(path: Path) -> dict[str, Any]:
+    """A `last.pt` as one dict in this process, whatever wrote it: a sharded checkpoint's model
+    and optimizer states gathered from its shards (DCP's `dcp_to_torch_save`) as plain tensors,
+    by parameter name, as a gathered checkpoint holds them."""
+    state = load(path)
+    if state.get("shards"):
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as scratch:
+            whole = Path(scratch) / "whole.pt"
+            dcp_to_torch_save(state["shards"]["path"], whole)
+            state |= torch.load(whole, map_location="cpu", weights_only=True)
+    return state
+
+
+def _drop_unnamed_shards(checkpoints: Path) -> None:
+    """Remove the shard folders neither `last.pt` nor `previous.pt` names (a save cut short, the
+    state `previous.pt` no longer keeps); none while either has no readable record."""
+    named = set()
+    for kept in (checkpoints / LAST, checkpoints / PREVIOUS):
+        if not kept.is_file():
+            continue
+        record = _record(kept)
+        if not isinstance(record, dict):
+            return
+        named.add((record.get("shards") or {}).get("folder"))
+    for folder in checkpoints.glob(f"{SHARDS}*"):
+        if folder.is_dir() and folder.name not in named:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def training_state(
     *,
-    model: dict[str, Any],
-    optimizer: dict[str, Any],
+    model: dict[str, Any] | None,
+    optimizer: dict[str, Any] | None,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     scaler: dict,
     progress: Progress,
     rng: list[dict[str, Any]],
     run_id: str | None,
     config: dict,
+    shards: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What `last.pt` holds: the whole model's and optimizer's states (gathered from their
-    shards under FSDP), and `rng`, one entry per rank, in rank order."""
+    shards), or with `shards` (`save_shards`) the folder that holds them in shards instead; and
+    `rng`, one entry per rank, in rank order."""
+    whole = {"shards": shards} if shards else {"model": model, "optimizer": optimizer}
     return {
-        "model": model,
-        "optimizer": optimizer,
+        **whole,
         "scheduler": scheduler.state_dict(),
         "scaler": scaler,
         "progress": asdict(progress),
@@ -278,22 +432,39 @@ def restore(
     *,
     load_model: Callable[[dict], None],
     load_optimizer: Callable[[dict], None],
+    load_shards: Callable[[Path], None],
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     load_scaler: Callable[[dict], None],
     generator: torch.Generator,
     rank: int,
+    world_size: int,
 ) -> Progress:
-    """Put a `training_state` back into this rank's objects; returns where training stands."""
-    if len(state["rng"]) <= rank:
-        raise ConfigError(
-            f"The checkpoint was written by a world of {len(state['rng'])} rank(s); this is rank "
-            f"{rank}. Resume with the same parallelism.nprocs as the run it continues."
-        )
-    load_model(state["model"])  # the strategy's: FSDP reshards the whole state
-    load_optimizer(state["optimizer"])
+    """Put a `training_state` back into this rank's objects; returns where training stands.
+    A sharded one (every rank calls `load_shards` with its folder) resumes on any number of
+    ranks: a rank the checkpoint's world did not have keeps its own seeded random states."""
+    saved = len(state["rng"])
+    if state.get("shards"):
+        load_shards(Path(state["shards"]["path"]))  # the strategy's: DCP reshards
+        if saved != world_size and rank == 0:
+            log.warning(
+                "Resuming a checkpoint of %d rank(s) on %d: its shards are resharded; the "
+                "optimizer and lr schedule go on as saved, the data is split for this world, and "
+                "ranks it did not have draw fresh random states (the run is not bitwise an "
+                "uninterrupted run of either size).",
+                saved, world_size,
+            )  # fmt: skip
+    else:
+        if saved <= rank:
+            raise ConfigError(
+                f"The checkpoint was written by a world of {saved} rank(s); this is rank "
+                f"{rank}. Resume with the same parallelism.nprocs as the run it continues."
+            )
+        load_model(state["model"])  # the strategy's: a sharding one reshards the whole state
+        load_optimizer(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     load_scaler(state["scaler"])  # the precision's: its GradScaler's state, if it has one
-    set_rng_state(state["rng"][rank], generator)
+    if rank < saved:
+        set_rng_state(state["rng"][rank], generator)
     return Progress(**state["progress"])
 
 
@@ -376,11 +547,22 @@ def _saved_run(path: Path) -> str | None:
         return None
 
 
-def check_same_training(saved: Mapping[str, Any], current: Mapping[str, Any], path: Path) -> None:
-    """A checkpoint continues only the run it came from: refuse one of another config."""
+def check_same_training(
+    saved: Mapping[str, Any], current: Mapping[str, Any], path: Path, sharded: bool = False
+) -> None:
+    """A checkpoint continues only the run it came from: refuse one of another config. A
+    `sharded` one (DCP reshards it) may continue on another `parallelism.nprocs`, and then with
+    the global batch split otherwise (`WORLD_KEYS`)."""
     before = flatten(training_config(saved), empty=False)
     now = flatten(training_config(current), empty=False)
     differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    if sharded and WORLD_KEYS[0] in differ:
+        moved = [k for k in differ if k in WORLD_KEYS]
+        log.info(
+            "Resuming on another world: %s",
+            ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in moved),
+        )
+        differ = [k for k in differ if k not in WORLD_KEYS]
     if differ:
         shown = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in differ[:6])
         raise ConfigError(

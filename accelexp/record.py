@@ -170,6 +170,9 @@ CONFIG_ID = "config_id"  # the same less seed and repeat index: one row of the r
 SETTING_ID = "setting_id"
 OUTPUT_DIR = "output_dir"  # the job's folder, where its checkpoints are
 RESUMED_AFTER_EPOCH = "resumed_after_epoch"
+# a sharded checkpoint resumed on another number of processes: that number, the latest (the
+# params keep the first world's `world_size`)
+RESUMED_WORLD_SIZE = "resumed_world_size"
 GIT_COMMIT = "git_commit"
 # where the run's process lives (tracking.life, when the run starts or resumes; a sweep's parent
 # too): the next command on this host that opens the store marks a run still RUNNING whose

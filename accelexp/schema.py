@@ -404,7 +404,9 @@ class Config:
         20, "progress figures every this many steps (after 1, 2, 4...)", NOTHING
     )
     resume: str | None = key(
-        None, "continue a run: auto, an MLflow run id, a run folder or last.pt", NOTHING
+        None,
+        "continue a run: auto, an MLflow run id, a run folder or last.pt (sharded: any nprocs)",
+        NOTHING,
     )
     profile: bool = key(False, "torch.profiler traces of a few steps, logged to MLflow", SPEED)
     estimate: bool = key(

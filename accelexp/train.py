@@ -283,17 +283,11 @@ def _run(
     name = run_name(tree, switches.summary(), overrides, run_label(cfg.parallelism))
     progress = checkpoint.Progress()
     if state is not None:
-        progress = checkpoint.restore(
-            state,
-            load_model=partial(strategy.load_model_state_dict, model),
-            load_optimizer=partial(strategy.load_optimizer_state_dict, model, optimizer),
-            scheduler=scheduler,
-            load_scaler=strategy.precision.load_state_dict,
-            generator=generator,
-            rank=strategy.shape.rank,
-        )
+        progress = restore(state, strategy, model, optimizer, scheduler, generator)
         log.info("Resuming after epoch %d of %d from %s", progress.epoch, cfg.epochs, resume_from)
         tracker.resume(state["run_id"], progress.epoch, output_dir)
+        if len(state["rng"]) != strategy.shape.world_size:  # resharded on another world
+            tracker.set_tags({record.RESUMED_WORLD_SIZE: str(strategy.shape.world_size)})
     elif strategy.shape.is_main and checkpoint.restarted() and (output_dir / RUN_ID_FILE).is_file():
         # restarted before its first checkpoint: the same run starts over
         tracker.resume((output_dir / RUN_ID_FILE).read_text().strip(), 0, output_dir)
@@ -360,6 +354,35 @@ def _run(
     return metrics
 
 
+def restore(
+    state: dict,
+    strategy: Strategy,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    generator: torch.Generator,
+) -> checkpoint.Progress:
+    """A checkpoint's training state into this rank's objects (`checkpoint.restore`): its whole
+    state from the main rank, or its shards, each rank reading its part (every rank calls it)."""
+
+    def load_shards(folder: Path) -> None:
+        shards = strategy.sharded_state_dict(model, optimizer)  # the shapes to read into
+        checkpoint.read_shards(folder, shards)
+        strategy.load_sharded_state_dict(model, optimizer, shards)
+
+    return checkpoint.restore(
+        state,
+        load_model=partial(strategy.load_model_state_dict, model),
+        load_optimizer=partial(strategy.load_optimizer_state_dict, model, optimizer),
+        load_shards=load_shards,
+        scheduler=scheduler,
+        load_scaler=strategy.precision.load_state_dict,
+        generator=generator,
+        rank=strategy.shape.rank,
+        world_size=strategy.shape.world_size,
+    )
+
+
 def _state_to_resume(
     cfg: Config, output_dir: Path, tracker: Tracker, strategy: Strategy, resolved: dict
 ) -> tuple[dict | None, Path | None]:
@@ -381,7 +404,8 @@ def _state_to_resume(
             )
             if resume_from is not None:
                 state = checkpoint.load(resume_from)
-                checkpoint.check_same_training(state["config"], resolved, resume_from)
+                sharded = bool(state.get("shards"))  # resumes on another world size too
+                checkpoint.check_same_training(state["config"], resolved, resume_from, sharded)
                 checkpoint.adopt_best(resume_from, output_dir / "checkpoints")
         except AccelexpError as error:
             failure = error
@@ -523,16 +547,26 @@ class Fit:
         checkpoint.save(self.checkpoints / checkpoint.BEST, {**payload, "config": self.resolved})
 
     def save_last(self, progress: checkpoint.Progress) -> None:
-        """The whole training state; every rank takes part (its RNG states are gathered)."""
-        strategy, trainer = self.strategy, self.trainer
+        """The whole training state; every rank takes part (its RNG states are gathered; the
+        model and optimizer gathered too, or each rank writes its shards of them)."""
+        strategy, trainer, world = self.strategy, self.trainer, self.strategy.shape
         rng = strategy.sync.gather_object(checkpoint.rng_state(self.generator))
-        model = strategy.model_state_dict(trainer.model)
-        optimizer = strategy.optimizer_state_dict(trainer.model, trainer.optimizer)
+        model = optimizer = shards = None
+        if strategy.checkpoint_sharded:
+            shards = checkpoint.save_shards(
+                self.checkpoints,
+                strategy.sharded_state_dict(trainer.model, trainer.optimizer),
+                progress.epoch, strategy.sync, world.rank, world.world_size,
+            )  # fmt: skip
+        else:
+            model = strategy.model_state_dict(trainer.model)
+            optimizer = strategy.optimizer_state_dict(trainer.model, trainer.optimizer)
         if not strategy.shape.is_main:
             return
         state = checkpoint.training_state(
             model=model,
             optimizer=optimizer,
+            shards=shards,
             scheduler=trainer.scheduler,
             scaler=strategy.precision.state_dict(),
             progress=progress,

@@ -12,7 +12,8 @@ into a real `mlflow server` through `http://chaos:<secret>@127.0.0.1:PORT`. Then
 - orphans: no process of a job (found by a tag in its environment, or its folder in the command
   line) is alive 30 s after the job ended;
 - resumes: every resumed run ends with the parameters and optimizer state (`torch.equal`) and
-  the metrics of its uninterrupted twin;
+  the metrics of its uninterrupted twin (FSDP's: its workers' shards, torch.distributed.checkpoint,
+  read whole; its run.py SIGKILLed at any moment, a save of shards included);
 - secrets: the password is in no file of the jobs' folders, the stores, the server's artifacts
   or the captured output (nor in a job process's command line, seen while it ran);
 - runs left RUNNING: none at the end (a later run.py on the experiment heals one a SIGKILL or
@@ -21,7 +22,7 @@ into a real `mlflow server` through `http://chaos:<secret>@127.0.0.1:PORT`. Then
 It prints the counts (jobs by strategy x event, each check, wall and CPU time) and exits 1 when
 any check failed. A job's console output, its run folder and the stores stay in `--keep DIR`.
 
-    python benchmarks/chaos.py                  # the default size: 30-33 jobs, ~430 CPU-s
+    python benchmarks/chaos.py                  # the default size: 32-35 jobs, ~460 CPU-s
     python benchmarks/chaos.py --seed 7         # other random moments; the same seed replays
     python benchmarks/chaos.py --quick          # one sweep of 2-3 jobs, stopped (the test's)
     python benchmarks/chaos.py --keep /tmp/chaos --untouched 20
@@ -788,11 +789,13 @@ def same_training(twin: Twin) -> list[str]:
     epoch, against its twin's: [] when they are the same."""
     import torch
 
+    from accelexp.checkpoint import CheckpointError, read_whole
+
     try:
-        got, ref = (torch.load(folder / "checkpoints" / "last.pt", weights_only=True)
+        got, ref = (read_whole(folder / "checkpoints" / "last.pt")
                     for folder in (twin.folder, twin.twin_folder))  # fmt: skip
         mine, theirs = run_of(twin.folder, twin.store), run_of(twin.twin_folder, twin.twin_store)
-    except (OSError, RuntimeError) as error:
+    except (OSError, RuntimeError, CheckpointError) as error:
         return [f"{twin.name}: nothing to compare ({type(error).__name__}: {error})"]
     wrong = []
     for part in ("model", "optimizer"):
@@ -844,15 +847,19 @@ def plan(bench: Bench, quick: bool, untouched_jobs: int, disk: SmallDisk) -> lis
         stop_and_resume(bench, "ddp-stop-resume", local, "ddp", 5,
                         untouched(bench, "ddp-stop-resume", local, "ddp", 5))  # fmt: skip
 
+    def fsdp_kill_resume() -> None:  # its shards saved by every worker: resumed, then compared
+        sigkill_run_py(bench, "fsdp-kill-run.py", local, "fsdp", 6,
+                       untouched(bench, "fsdp-kill-run.py", local, "fsdp", 6))  # fmt: skip
+
     return [
         ddp_stop_resume,
+        fsdp_kill_resume,
         lambda: untouched_sweep(bench, "single-sweep", local, seeds),
         lambda: truncated_checkpoint(bench, "single-cut", local, 2, twin(2)),
         lambda: kill_a_worker(bench, "horovod-kill-worker", server, "horovod", signal.SIGKILL),
         lambda: stop_and_resume(bench, "single-stop-resume", server, "single", 1, twin(1)),
         lambda: sigkill_run_py(bench, "single-kill-run.py", local, "single", 3, twin(3)),
         lambda: full_disk(bench, "single-full-store", disk, "store", 4, twin(4)),
-        lambda: sigkill_run_py(bench, "fsdp-kill-run.py", local, "fsdp", 6, None),
         lambda: kill_a_worker(bench, "ddp-term-worker", server, "ddp", signal.SIGTERM),
         lambda: kill_the_launcher(bench, "hybrid-kill-launcher", server, "hybrid"),
         lambda: stopped_sweep(bench, "single-stop-sweep", local, [21, 22, 23, 24]),

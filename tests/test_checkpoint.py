@@ -3,11 +3,14 @@
 Each checkpoint is checked against the record written beside it (size, sha256); one cut short or
 altered ends the job with one message naming it and the last good one (`previous.pt`), and the
 run it continued is FAILED, not left KILLED. A checkpoint written before records existed still
-loads. `resume=auto` never reopens a FINISHED run: it starts a new one and says so.
+loads. `resume=auto` never reopens a FINISHED run: it starts a new one and says so. A sharded
+checkpoint (FSDP's, torch.distributed.checkpoint) counts once a whole `last.pt` names its folder,
+and each shard is checked against the record too.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,9 @@ from conftest import output_of
 from mlflow import MlflowClient
 
 from accelexp import checkpoint
-from accelexp.checkpoint import CheckpointError
+from accelexp.checkpoint import CheckpointError, record_of
+from accelexp.parallel.base import Sync
+from accelexp.parallel.config import ParallelismConfig
 
 TINY = ("data=synthetic", "data.num_train=256", "data.num_test=64", "data.image_size=16")
 TINY += ("epochs=2", "max_steps_per_epoch=2", "progress=false", "threads=1")
@@ -124,3 +129,39 @@ def test_ddp_workers_stop_on_a_truncated_checkpoint_with_its_message_and_the_run
     assert f"rank1: CheckpointError: The checkpoint {last} cannot be read" in text
     assert "Connection closed" not in text
     assert client.get_run(run_id).info.status == "FAILED"
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process, no world
+def test_a_sharded_checkpoint_counts_once_named_and_is_checked_shard_by_shard(tmp_path):
+    """As an FSDP run saves it (`save_shards`, then `last.pt` naming the shards' folder), here by
+    one process: a folder no `last.pt` names (a save cut short) is removed by the next save, the
+    one `previous.pt` names is kept; a shard cut short is refused by the record, naming the last
+    good one, which still reads whole; shards that cannot be written are one StorageError."""
+    folder = tmp_path / "checkpoints"
+    last, previous = folder / "last.pt", folder / "previous.pt"
+    alone = Sync(ParallelismConfig())  # one process: its collectives are itself
+
+    def save_epoch(epoch: int) -> None:
+        state = {"model": {"w": torch.full((4096,), float(epoch))}}
+        shards = checkpoint.save_shards(folder, state, epoch, alone, rank=0, size=1)
+        payload = {"shards": shards, "run_id": "abc", "progress": {"epoch": epoch}}
+        checkpoint.save(last, payload, keep_previous=True)
+
+    save_epoch(1)
+    (folder / "state-e0002-cut").mkdir()  # its shards written, then the job died: never named
+    save_epoch(2)
+    named = {json.loads(record_of(p).read_text())["shards"]["folder"] for p in (last, previous)}
+    assert {p.name for p in folder.glob("state-*")} == named and len(named) == 2
+    assert torch.equal(checkpoint.read_whole(last)["model"]["w"], torch.full((4096,), 2.0))
+
+    (shard,) = (folder / checkpoint.load(last)["shards"]["folder"]).glob("*.distcp")
+    cut_to_half(shard)
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.load(last)
+    assert f"its shard {shard} is " in str(refused.value)
+    assert "(cut short?). The last good one is " in str(refused.value)
+    assert torch.equal(checkpoint.read_whole(previous)["model"]["w"], torch.full((4096,), 1.0))
+
+    (tmp_path / "in-the-way").write_text("a file, not a folder")
+    with pytest.raises(checkpoint.StorageError, match=r"Could not write the checkpoint's shards"):
+        checkpoint.save_shards(tmp_path / "in-the-way", {"w": torch.ones(4)}, 3, alone, 0, 1)

@@ -2,12 +2,15 @@
 an uninterrupted run ends (bitwise on the CPU), in the same MLflow run, with the same metrics.
 
 A world of workers resumes in the torchrun restart's test: an FSDP worker SIGKILLed under
-`parallelism.max_restarts=1`, the world restarts and resumes by itself from the checkpoint, which
-holds the whole state gathered from the shards (a DDP checkpoint is a plain state dict, the
-single process's; a signal stopping every worker is tests/test_signals.py's; `resume=auto`
-finding the killed run, the single-process case's). Also: the refusals of `resume`, and a reused
-run folder that never adopts another run. (A joined world whose ranks run in different folders,
-no shared filesystem: tests/test_parallel.py.)
+`parallelism.max_restarts=1`, the world restarts and resumes by itself from the checkpoint, whose
+model and optimizer are shards each worker wrote (torch.distributed.checkpoint; a DDP checkpoint
+is a plain state dict, the single process's; a signal stopping every worker is
+tests/test_signals.py's; `resume=auto` finding the killed run, the single-process case's). FSDP's
+shards resume on another number of workers: 1 -> 2 ends as the uninterrupted run (the batch split
+in two), 2 -> 1 loads them exactly (and a checkpoint gathered into one file, as before shards)
+and trains on. Also: the refusals of `resume`, and a reused run folder that never adopts another
+run. (A joined world whose ranks run in different folders, no shared filesystem:
+tests/test_parallel.py.)
 """
 
 from __future__ import annotations
@@ -17,12 +20,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_config, new_store, output_of, store_uri
+from conftest import EXACT, compose_config, new_store, output_of, store_uri
 from jobs import Job
 from mlflow import MlflowClient
+from torch import Generator
 
-from accelexp.config import ConfigError
-from accelexp.train import run
+from accelexp import checkpoint
+from accelexp.config import ConfigError, typed
+from accelexp.launch import launch
+from accelexp.models import build_model
+from accelexp.optim import build_optimizer, build_scheduler
+from accelexp.parallel import connect
+from accelexp.train import restore, run
 
 EPOCHS = 2  # the fewest a kill can land between: resumed after epoch 1, epoch 2 trained again
 RUN = (
@@ -60,16 +69,34 @@ def history(uri: str, run_id: str, key: str) -> dict[int, float]:
     return {m.step: m.value for m in ordered}
 
 
+def final_state(run_dir: Path) -> dict:
+    """A run's last.pt, whole: a sharded one's model and optimizer read from its shards."""
+    return checkpoint.read_whole(run_dir / "checkpoints" / "last.pt")
+
+
+def assert_same_state(got: dict, ref: dict, rtol: float | None = None) -> None:
+    """The same model and SGD momentum, by parameter name: bitwise, or to `rtol`."""
+    assert got["model"].keys() == ref["model"].keys()
+    assert got["optimizer"]["state"].keys() == ref["optimizer"]["state"].keys()
+    pairs = [(name, got["model"][name], tensor) for name, tensor in ref["model"].items()]
+    pairs += [
+        (f"{name} momentum", got["optimizer"]["state"][name]["momentum_buffer"], momentum)
+        for name, momentum in (
+            (n, s["momentum_buffer"]) for n, s in ref["optimizer"]["state"].items()
+        )
+    ]
+    for name, a, b in pairs:
+        if rtol is None:
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, rtol=rtol, atol=rtol / 10, msg=name)
+
+
 def assert_same_training(ref_dir: Path, ref_uri: str, dir_: Path, uri: str) -> None:
     """The same final state (bitwise) and the same metrics, epoch by epoch."""
-    ref = torch.load(ref_dir / "checkpoints" / "last.pt", weights_only=True)
-    got = torch.load(dir_ / "checkpoints" / "last.pt", weights_only=True)
+    ref, got = final_state(ref_dir), final_state(dir_)
     assert got["progress"]["epoch"] == ref["progress"]["epoch"] == EPOCHS
-    for name, tensor in ref["model"].items():
-        assert torch.equal(got["model"][name], tensor), name
-    ref_momentum = [s["momentum_buffer"] for s in ref["optimizer"]["state"].values()]
-    got_momentum = [s["momentum_buffer"] for s in got["optimizer"]["state"].values()]
-    assert all(torch.equal(a, b) for a, b in zip(ref_momentum, got_momentum, strict=True))
+    assert_same_state(got, ref)
     ref_run, got_run = the_run(ref_uri), the_run(uri)
     for key in EPOCH_METRICS + FINAL_METRICS:
         expected = history(ref_uri, ref_run.info.run_id, key)
@@ -217,3 +244,72 @@ def test_a_checkpoint_that_cannot_be_written_fails_the_run_with_one_message(
     run_ = the_run(tracking_uri)
     assert run_.info.status == "FAILED"
     assert "train_loss" in run_.data.metrics
+
+
+# 1 -> 2 workers, checked exactly: 2 FSDP workers with batch 32 train what one process trains
+# with batch 64 (tests/test_contract.py), so a run resumed on 2 workers with the batch split in
+# two ends where the uninterrupted run of one worker ends
+ONE_WORKER = (
+    *(o for o in EXACT if not o.startswith("epochs=")),
+    *FSDP,
+    "parallelism.nprocs=1",
+    "data.batch_size=64",
+    f"epochs={EPOCHS}",
+    "max_steps_per_epoch=2",
+)
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_of_one_worker_resumes_on_two(tmp_path, tracking_uri):
+    """Its shards (torch.distributed.checkpoint) are resharded over the two workers: they go on
+    with the saved model and momentum, and end as the uninterrupted run, in the same MLflow run."""
+    run(compose_config(tracking_uri, *ONE_WORKER), tmp_path / "one")
+    uninterrupted = the_run(tracking_uri)
+    previous = tmp_path / "one" / "checkpoints" / "previous.pt"  # epoch 1's
+    split = ("parallelism.nprocs=2", "data.batch_size=32", f"resume={previous}")
+    launch(compose_config(tracking_uri, *ONE_WORKER, *split), tmp_path / "two")
+    resumed = the_run(tracking_uri)
+    assert resumed.info.run_id == uninterrupted.info.run_id
+    assert resumed.info.status == "FINISHED"
+    assert resumed.data.tags["resumed_after_epoch"] == "1"
+    assert resumed.data.tags["resumed_world_size"] == "2"  # its params: the first world's, 1
+    two = final_state(tmp_path / "two")
+    assert two["shards"]["world_size"] == 2 and len(two["shards"]["files"]) == 3  # + .metadata
+    assert_same_state(two, final_state(tmp_path / "one"), rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_of_two_workers_resumes_on_one(tmp_path, compose_cfg, references):
+    """Epoch 1's checkpoint of the two FSDP workers the torchrun restart's test compares with:
+    its shards, and the same state gathered into one file (as last.pt was before shards), load
+    into one worker's model and optimizer exactly (train.restore, as a resume does); a run
+    resumed from it on one worker trains epoch 2 in the same MLflow run."""
+    folder, uri = references(*FSDP)
+    previous = folder / "checkpoints" / "previous.pt"
+    whole = checkpoint.read_whole(previous)
+    assert whole["progress"]["epoch"] == 1 and whole["shards"]["world_size"] == 2
+    gathered = tmp_path / "gathered.pt"
+    torch.save({k: v for k, v in whole.items() if k != "shards"}, gathered)
+    cfg = typed(compose_cfg(*RUN, *FSDP, "parallelism.nprocs=1"))
+    strategy = connect(cfg)
+    try:
+        for source in (previous, gathered):
+            model = strategy.wrap_model(build_model(cfg.model, 3, 10, 16))
+            optimizer = build_optimizer(cfg.optimizer, model.parameters(), cfg.optimizer.lr)
+            scheduler = build_scheduler(cfg.scheduler, optimizer, 4, EPOCHS)
+            restore(checkpoint.load(source), strategy, model, optimizer, scheduler, Generator())
+            loaded = {
+                "model": strategy.model_state_dict(model),
+                "optimizer": strategy.optimizer_state_dict(model, optimizer),
+            }
+            assert_same_state(loaded, whole)
+    finally:
+        strategy.teardown()
+    store = new_store(tmp_path / "store", Path(uri.removeprefix("sqlite:///")))
+    overrides = (*RUN, *FSDP, "parallelism.nprocs=1", f"resume={previous}")
+    run(compose_config(store, *overrides), tmp_path / "one")
+    resumed = the_run(store)
+    assert resumed.info.status == "FINISHED"
+    assert resumed.data.tags["resumed_after_epoch"] == "1"
+    assert resumed.data.tags["resumed_world_size"] == "1"
+    assert final_state(tmp_path / "one")["progress"]["epoch"] == EPOCHS

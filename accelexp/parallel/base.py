@@ -232,6 +232,29 @@ class Sync:
         """Load the main rank's whole optimizer `state` (collective: every rank calls it)."""
         optimizer.load_state_dict(state)
 
+    # True: the training state is saved sharded, every rank writing its part in parallel
+    # (`sharded_state_dict` through torch.distributed.checkpoint: `accelexp.checkpoint`), not
+    # gathered to the main rank; it resumes on any number of ranks
+    checkpoint_sharded = False
+
+    def sharded_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The model's and optimizer's states as this rank holds them (DTensor shards under
+        FSDP), by parameter name, for torch.distributed.checkpoint (collective)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_sharded_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        """Load a `sharded_state_dict` that torch.distributed.checkpoint filled (collective)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+
     def lr_factor(self, samples_factor: int, rule: str) -> float:
         """The lr multiplier for `samples_factor` times the samples per step."""
         return {"linear": samples_factor, "sqrt": math.sqrt(samples_factor), "none": 1}[rule]
@@ -405,6 +428,22 @@ class Strategy:
     ) -> None:
         """The main rank's optimizer state into every rank's optimizer; every rank calls it."""
         self.sync.load_optimizer_state_dict(self.unwrap(model), optimizer, state)
+
+    @property
+    def checkpoint_sharded(self) -> bool:
+        """True: every rank saves and loads its part of the training state (the sync's
+        `sharded_state_dict`), none is gathered; False: the main rank's whole state."""
+        return self.sync.checkpoint_sharded
+
+    def sharded_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """This rank's part of the model's and optimizer's states; every rank calls it."""
+        return self.sync.sharded_state_dict(self.unwrap(model), optimizer)
+
+    def load_sharded_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        """A filled `sharded_state_dict` into this rank's model and optimizer; every rank."""
+        self.sync.load_sharded_state_dict(self.unwrap(model), optimizer, state)
 
     def scale_lr(self, lr: float) -> float:
         """`parallelism.lr_scaling` with the number of samples per optimizer step."""

@@ -33,9 +33,12 @@ all-gathered just before its forward (and again before its backward when
   does; the FSDP hooks around it stay eager. CUDA graphs (`reduce-overhead`) are refused: FSDP
   frees and re-gathers the weights a graph would capture at fixed addresses. Under bf16/amp the
   fp32 BatchNorm groups' hooks break a compiled block's graph at each BatchNorm.
-- Checkpoints: the full state, gathered to rank 0 (`torch.distributed.checkpoint.state_dict`
-  with `full_state_dict`), so best.pt loads into a plain model in a single process; resuming
-  loads it back, broadcast from rank 0 and resharded.
+- Checkpoints: the training state is saved sharded (`checkpoint_sharded`): every worker writes
+  its shards of the model and optimizer in parallel with `torch.distributed.checkpoint`
+  (`accelexp.checkpoint.save_shards`), nothing is gathered, and a resume on another number of
+  workers reshards them. The best weights (`best.pt`) are the model alone, gathered to rank 0
+  (`full_state_dict`, offloaded to its CPU), so they load into a plain model in a single
+  process; so does a `last.pt` written gathered before, broadcast from rank 0 and resharded.
 
 On the CPU, Gloo runs FSDP2's all-gather and reduce-scatter (torch 2.11 and 2.14).
 """
@@ -103,6 +106,7 @@ class FSDPSync(TorchDistributed):
     cfg: FSDPConfig
     name = "fsdp"
     shards = True
+    checkpoint_sharded = True
     compiles_units = True
     compiled = 0  # layers compiled before sharding (speed.compile)
 
