@@ -1,0 +1,153 @@
+"""`parallelism=pipeline`: a pipeline's stages across ranks trains what one process trains.
+
+One torchrun launch of this file as a harness (`_stepped`, built once a session): 2 real worker
+processes over Gloo build the product's strategy (`accelexp.parallel.build_strategy`) for every
+schedule the installed torch has, step it through the loop's step (`accelexp.step.train_step`)
+and, in the same processes, a single-process reference from the same initial weights on the same
+batches. Each rank reports what it saw; the tests read the report. The end-to-end path (run.py's
+launcher, MLflow, best.pt) is `test_contract.py`'s `pipeline-*` case; bad input is refused
+before any worker starts (`test_refused_before_any_worker`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve()
+STEPS = 3
+BATCH = 16
+MICROBATCHES = 4
+
+
+def _stepped_in_this_worker(out: Path) -> None:
+    """The harness, in each torchrun worker: every schedule against the reference."""
+    import torch
+    import torch.distributed as dist
+
+    from accelexp.config import typed
+    from accelexp.models import build_model
+    from accelexp.parallel import build_strategy
+    from accelexp.parallel.base import Strategy
+    from accelexp.parallel.config import ParallelismConfig
+    from accelexp.parallel.stages_per_rank import available_schedules
+    from accelexp.step import train_step
+
+    sys.path.insert(0, str(HERE.parent))
+    from conftest import EXACT, compose_config
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # the strategies below join it: none tears it down
+    rank = dist.get_rank()
+    report: dict[str, dict] = {}
+    for schedule in available_schedules():
+        cfg = typed(
+            compose_config(
+                "sqlite:///unused.db",
+                *EXACT,
+                "parallelism=pipeline",
+                f"parallelism.schedule={schedule}",
+                f"parallelism.microbatches={MICROBATCHES}",
+                f"data.batch_size={BATCH}",
+            )
+        )
+        torch.manual_seed(0)
+        model = build_model(cfg.model, 3, 10, cfg.data.image_size)
+        reference = copy.deepcopy(model)
+        single = Strategy(ParallelismConfig())
+        strategy = build_strategy(cfg)
+        strategy.setup()
+        placed = strategy.wrap_model(model)
+        optimizer = strategy.wrap_optimizer(torch.optim.SGD(placed.parameters(), lr=0.1), placed)
+        expected_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        losses, expected_losses, logits_apart = [], [], 0.0
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(STEPS):
+            images = torch.randn(
+                BATCH, 3, cfg.data.image_size, cfg.data.image_size, generator=generator
+            )
+            labels = torch.randint(0, 10, (BATCH,), generator=generator)
+            loss, logits = train_step(placed, images, labels, optimizer, strategy)
+            expected, expected_logits = train_step(
+                reference, images, labels, expected_optimizer, single
+            )
+            losses.append(loss.item())
+            expected_losses.append(expected.item())
+            logits_apart = max(logits_apart, (logits - expected_logits).abs().max().item())
+        whole = strategy.model_state_dict(placed)
+        apart = None
+        if whole is not None:
+            expected_state = reference.state_dict()
+            assert whole.keys() == expected_state.keys(), (list(whole), list(expected_state))
+            apart = max((whole[k] - expected_state[k]).abs().max().item() for k in whole)
+        # evaluation: the whole batch through the ranks, the logits on every rank
+        placed.eval()
+        reference.eval()
+        with torch.no_grad():
+            images = torch.randn(BATCH + 3, 3, cfg.data.image_size, cfg.data.image_size)
+            eval_apart = (placed(images) - reference(images)).abs().max().item()
+        # the whole model's weights back into the stages (best.pt's test, a resume)
+        fresh = build_model(cfg.model, 3, 10, cfg.data.image_size).state_dict()
+        strategy.load_model_state_dict(placed, strategy.sync.broadcast_object(fresh))
+        again = strategy.model_state_dict(placed)
+        reloaded = None if again is None else all(torch.equal(again[k], fresh[k]) for k in fresh)
+        report[schedule] = {
+            "losses": losses,
+            "expected_losses": expected_losses,
+            "logits_apart": logits_apart,
+            "params_apart": apart,
+            "eval_apart": eval_apart,
+            "reloaded": reloaded,
+            "stages": strategy.describe()["stages"],
+            "own_params": sum(p.numel() for p in placed.parameters()),
+            "all_params": sum(p.numel() for p in reference.parameters()),
+        }
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def stepped(tmp_path_factory) -> dict[int, dict[str, dict]]:
+    """Each rank's report of the harness (one torchrun launch of this file, 2 workers)."""
+    out = tmp_path_factory.mktemp("pipeline-ranks")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parents[1])}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(HERE), str(out)],
+        cwd=out, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_schedule_trains_what_one_process_trains(stepped, schedule):
+    if schedule not in stepped[0]:
+        pytest.skip(f"this torch has no {schedule} schedule")
+    for rank in (0, 1):
+        seen = stepped[rank][schedule]
+        # every rank holds the step's loss and logits (the last stage's, sent to the others)
+        assert seen["losses"] == pytest.approx(seen["expected_losses"], rel=1e-5)
+        assert seen["logits_apart"] < 1e-4
+        assert seen["eval_apart"] < 1e-4
+        # each rank holds its own stages only
+        assert 0 < seen["own_params"] < seen["all_params"]
+    main = stepped[0][schedule]
+    assert main["params_apart"] < 1e-5  # the whole model, gathered on rank 0
+    assert main["reloaded"] is True
+    assert stepped[1][schedule]["params_apart"] is None
+    assert main["stages"] == (4 if schedule.startswith(("interleaved", "zero")) else 2)
+
+
+if __name__ == "__main__":
+    _stepped_in_this_worker(Path(sys.argv[1]))
