@@ -149,5 +149,51 @@ def test_each_schedule_trains_what_one_process_trains(stepped, schedule):
     assert main["stages"] == (4 if schedule.startswith(("interleaved", "zero")) else 2)
 
 
+def bad(overrides: str, named: str):
+    return pytest.param(overrides.split(), named, id=overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        bad("parallelism.schedule=zigzag", "parallelism.schedule"),
+        bad("parallelism.microbatches=3", "parallelism.microbatches=3 does not cut"),
+        bad("parallelism.microbatches=0", "parallelism.microbatches"),
+        bad("parallelism.microbatches=1", "1F1B needs at least one micro-batch per rank"),
+        bad("parallelism.schedule=interleaved_1f1b parallelism.microbatches=5 data.batch_size=20",
+            "multiple of their rounds"),
+        bad("parallelism.sync=horovod", "Horovod's collectives-only API"),
+        bad("parallelism.nprocs=1", "at least 2"),
+        bad("parallelism.accumulate_steps=2", "parallelism.accumulate_steps=2"),
+        bad("speed.compile=default", "speed.compile=default with parallelism=pipeline"),
+    ],
+)  # fmt: skip
+def test_refused_before_any_worker(overrides, named, cli, tmp_path, tracking_uri):
+    result = cli(
+        "parallelism=pipeline", "data=synthetic", "data.batch_size=16", "progress=false",
+        f"mlflow.tracking_uri={tracking_uri}", *overrides, tmp_path=tmp_path,
+    )  # fmt: skip
+    text = result.stdout + result.stderr
+    assert result.returncode == 2, text
+    assert "Traceback" not in text and "Starting" not in text, text
+    assert named in text, text
+
+
+def test_more_stages_than_layers_names_the_ranks_and_schedule():
+    import torch.nn as nn
+
+    from accelexp.errors import ConfigError
+    from accelexp.parallel.config import PipelineConfig
+    from accelexp.parallel.stages_per_rank import RankStages
+    from accelexp.parallel.world import WorldShape
+
+    placement = RankStages(PipelineConfig(nprocs=2, schedule="interleaved_1f1b"), "cpu")
+    placement.shape = WorldShape(devices_per_replica=2, ranks_per_replica=2)
+    three_layers = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    said = r"nprocs=2 with parallelism.schedule=interleaved_1f1b cuts Sequential into 4 stages"
+    with pytest.raises(ConfigError, match=said):
+        placement.place(three_layers)
+
+
 if __name__ == "__main__":
     _stepped_in_this_worker(Path(sys.argv[1]))

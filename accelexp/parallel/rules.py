@@ -30,7 +30,6 @@ from accelexp.keys import (
     either,
 )
 from accelexp.parallel import PLACEMENTS, STRATEGIES, SYNCS
-from accelexp.parallel.config import PIPELINE_SCHEDULES
 
 GRANULARITIES = ("block", "model")  # fsdp's units: one per block of the layer sequence | one
 # the strategies' ways to need less memory per device (a memory-bound verdict's, after the
@@ -174,11 +173,10 @@ def _rank_stages_problems(cfg: DictConfig) -> list[str]:
             f"  parallelism.nprocs={ranks}: a pipeline across ranks needs at least 2 (one "
             f"process is parallelism=model)."
         )
-    elif schedule in PIPELINE_SCHEDULES and micro >= 1 and micro % ranks and schedule != "gpipe":
+    elif micro >= 1 and _schedule_refuses(schedule, micro, ranks):
         problems.append(
             f"  parallelism.microbatches={micro} with parallelism.schedule={schedule} over "
-            f"{ranks} ranks: the schedule needs a multiple of the ranks (e.g. "
-            f"parallelism.microbatches={ranks * max(1, micro // ranks)})."
+            f"{ranks} ranks: {_schedule_refuses(schedule, micro, ranks)}."
         )
     if parallelism.accumulate_steps != 1:
         problems.append(
@@ -201,6 +199,22 @@ def _rank_stages_problems(cfg: DictConfig) -> list[str]:
                 f"drop it, or use parallelism=model."
             )
     return problems
+
+
+def _schedule_refuses(schedule: str, micro: int, ranks: int) -> str:
+    """What torch's `schedule` asks of `micro` micro-batches over `ranks` ranks and they lack
+    ("" where nothing): 1F1B at least one per rank; the interleaved schedules a multiple of
+    their rounds (max(1, micro // ranks))."""
+    if schedule == "1f1b" and micro < ranks:
+        return f"1F1B needs at least one micro-batch per rank (parallelism.microbatches>={ranks})"
+    rounds = max(1, micro // ranks)
+    if schedule in ("interleaved_1f1b", "zero_bubble") and micro % rounds:
+        near = rounds * (micro // rounds)
+        return (
+            f"the interleaved schedules need a multiple of their rounds ({rounds}), e.g. "
+            f"parallelism.microbatches={near or ranks}"
+        )
+    return ""
 
 
 def _fsdp_problems(cfg: DictConfig) -> list[str]:

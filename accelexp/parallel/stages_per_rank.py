@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from accelexp import record
 from accelexp.errors import ConfigError
+from accelexp.models import layer_sequence
 from accelexp.parallel.base import Placement, Strategy, Sync, peak_memory_mb, resolve_device
 from accelexp.parallel.config import PIPELINE_SCHEDULES, PipelineConfig
 from accelexp.parallel.distributed import TorchDistributed
@@ -219,13 +220,18 @@ class RankStages(Placement):
     def place(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
         ranks, rank, device = self.shape.processes, self.shape.rank, self.devices[0]
         count = ranks * self.per_rank
-        try:
-            parts, self.split_points = split_layers(model, count)
-        except ConfigError as error:
+        layers = [name for name, _ in layer_sequence(model)]
+        if count > len(layers):
+            other = (
+                ", or a schedule of one stage per rank (gpipe, 1f1b)" if self.per_rank > 1 else ""
+            )
             raise ConfigError(
                 f"parallelism.nprocs={ranks} with parallelism.schedule={self.cfg.schedule} cuts "
-                f"the model into {count} stages: {error}"
-            ) from error
+                f"{type(model).__name__} into {count} stages ({self.per_rank} per rank), but it "
+                f"has only {len(layers)} layers to split ({', '.join(layers)}): use at most "
+                f"{len(layers) // self.per_rank} ranks{other}."
+            )
+        parts, self.split_points = split_layers(model, count)
         self.spans = [part.span for part in parts]
         self.stage_params = [sum(p.numel() for p in part.parameters()) for part in parts]
         mine = [k for k in range(count) if k % ranks == rank]
