@@ -183,6 +183,12 @@ class RankStages(Placement):
     cfg: PipelineConfig
     name = "stages per rank"
     replicated_as = "pipeline"
+    unforecast = (
+        "parallelism=pipeline is not modelled: the forecast runs one process, and a pipeline's "
+        "stages and the micro-batches its schedule keeps in flight live on several ranks. "
+        "Forecast parallelism=model with the same parallelism.stages for each stage's weights, "
+        "or measure: each rank's peak is logged as stage{r}_peak_mem_mb."
+    )
     pipeline: RankPipeline | None = None  # set by place()
 
     def __init__(self, cfg: PipelineConfig, device_request: str = "auto") -> None:
