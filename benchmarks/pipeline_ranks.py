@@ -6,11 +6,12 @@ step it through the loop's step (`accelexp.step.train_step`): `--warmup` untimed
 `--repeats` timed ones, the schedules taking turns step by step so the machine's noise falls on
 all alike. Per rank and step:
 
-- busy: the CPU time of the rank's main thread during the step (its stages' forward and backward;
-  a rank waiting for an activation or a gradient blocks in Gloo and uses none), wall: the step's
-  time; a stage's bubble is 1 - busy / wall, the step's the mean over ranks. A core per rank is
-  needed (fewer: a rank waiting for a core reads as a bubble); `--stages` is checked against the
-  usable cores.
+- busy: the time the rank spent in its stages' compute (torch's `PipelineStage` forward, backward
+  and, under zero bubble, weight-gradient actions, timed around each call), wall: the step's
+  time; a rank's bubble is 1 - busy / wall (waiting for an activation or a gradient, sending,
+  the schedule's own work), the step's the mean over ranks. A core per rank is needed (fewer: a
+  rank waiting for a core stretches its compute and its waits alike); `--stages` is checked
+  against the usable cores.
 - the peak bytes of activations the rank's stages held for the backward pass (saved tensors,
   counted by a saved-tensors hook), and its parameters' and optimizer state's.
 
@@ -19,6 +20,7 @@ ranks, M micro-batches); interleaved 1F1B with V stages per rank (S-1)/(V*M+S-1)
 (ZB1P) fills most of the rest with the weight-gradient halves of the backward passes.
 
     python benchmarks/pipeline_ranks.py                         # simple_cnn, 2 ranks, M=4
+    python benchmarks/pipeline_ranks.py --model vit_tiny --override model.depth=4 model.dim=96
     python benchmarks/pipeline_ranks.py --model resnet18 --stages 4 --microbatches 8
 """
 
@@ -76,6 +78,23 @@ class _Held:
         self.counter.release(self.key)
 
 
+def timed(stage, total: list[float]) -> None:
+    """Add the wall time of each compute action of torch's `stage` to `total[0]`."""
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        action = getattr(stage, name, None)
+        if action is None:
+            continue
+
+        def clocked(*args, _action=action, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _action(*args, **kwargs)
+            finally:
+                total[0] += time.perf_counter() - start
+
+        setattr(stage, name, clocked)
+
+
 def worker(args: argparse.Namespace, out: Path) -> None:
     import torch
     import torch.distributed as dist
@@ -105,6 +124,7 @@ def worker(args: argparse.Namespace, out: Path) -> None:
                 f"parallelism.microbatches={args.microbatches}",
                 f"data.batch_size={args.batch_size}",
                 f"data.image_size={args.image_size}",
+                *args.override,
             )
         )
         torch.manual_seed(0)
@@ -117,15 +137,19 @@ def worker(args: argparse.Namespace, out: Path) -> None:
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
     labels = torch.randint(0, 10, (args.batch_size,))
     figures: dict[str, dict[str, list[float]]] = {s: {"busy": [], "wall": []} for s in runs}
+    busy = {schedule: [0.0] for schedule in runs}
     for step in range(args.warmup + args.repeats):
         for schedule, (strategy, placed, optimizer, saved) in runs.items():
             dist.barrier()
-            wall, busy = time.perf_counter(), time.thread_time()
+            busy[schedule][0], wall = 0.0, time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda held: held.tensor):
                 train_step(placed, images, labels, optimizer, strategy)
-            busy, wall = time.thread_time() - busy, time.perf_counter() - wall
+            wall = time.perf_counter() - wall
+            if step == 0:  # the schedule and its stages are built by the first step
+                for stage in strategy.placement.stages:
+                    timed(stage, busy[schedule])
             if step >= args.warmup:
-                figures[schedule]["busy"].append(busy)
+                figures[schedule]["busy"].append(busy[schedule][0])
                 figures[schedule]["wall"].append(wall)
     report = {
         schedule: {
@@ -140,6 +164,11 @@ def worker(args: argparse.Namespace, out: Path) -> None:
     dist.destroy_process_group()
 
 
+def _median_bubble(rank: dict[str, list[float]]) -> float:
+    """A rank's median idle share over the steps."""
+    return statistics.median(1 - b / w for b, w in zip(rank["busy"], rank["wall"], strict=True))
+
+
 def summary(out: Path, args: argparse.Namespace) -> None:
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(args.stages)]
     print(
@@ -149,11 +178,11 @@ def summary(out: Path, args: argparse.Namespace) -> None:
         f"step's the mean over ranks: median [min, max] over the steps"
     )
     print(
-        "| schedule | stages | bubble measured | theory | step ms | "
+        "| schedule | stages | bubble measured | theory | per rank | step ms | "
         + " | ".join(f"rank {r} activations / state MiB" for r in range(args.stages))
         + " |"
     )
-    print("|---|---|---|---|---|" + "---|" * args.stages)
+    print("|---|---|---|---|---|---|" + "---|" * args.stages)
     for schedule in ranks[0]:
         steps = len(ranks[0][schedule]["wall"])
         bubbles = [
@@ -162,13 +191,14 @@ def summary(out: Path, args: argparse.Namespace) -> None:
         ]
         walls = [max(r[schedule]["wall"][i] for r in ranks) * 1e3 for i in range(steps)]
         expected = theory(schedule, args.stages, args.microbatches)
+        per_rank = ", ".join(f"{_median_bubble(r[schedule]):.2f}" for r in ranks)
         memory = " | ".join(
             f"{r[schedule]['activations_mb']:.2f} / {r[schedule]['state_mb']:.2f}" for r in ranks
         )
         print(
             f"| {schedule} | {ranks[0][schedule]['stages']} | {statistics.median(bubbles):.2f} "
             f"[{min(bubbles):.2f}, {max(bubbles):.2f}] | "
-            f"{'—' if expected is None else f'{expected:.2f}'} | "
+            f"{'—' if expected is None else f'{expected:.2f}'} | {per_rank} | "
             f"{statistics.median(walls):.0f} [{min(walls):.0f}, {max(walls):.0f}] | {memory} |"
         )
 
@@ -182,6 +212,9 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--override", nargs="*", default=[], help="more run.py overrides, e.g. model.depth=4"
+    )
     parser.add_argument("--out", type=Path, default=None, help="the ranks' reports (tmp)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

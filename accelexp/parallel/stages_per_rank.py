@@ -197,6 +197,7 @@ class RankStages(Placement):
         self.per_rank = PIPELINE_SCHEDULES[cfg.schedule]
         self.shape = WorldShape()
         self.schedule = None
+        self.stages: list = []
         self.split_points: list[int] = []
         self.spans: list[str] = []
         self.stage_params: list[int] = []
@@ -265,6 +266,7 @@ class RankStages(Placement):
             PipelineStage(part, k, pipeline.stages, device)
             for k, part in zip(pipeline.indices, pipeline.parts, strict=True)
         ]
+        self.stages = stages  # torch's PipelineStage of each of this rank's stages
         multi = self.per_rank > 1
         try:
             self.schedule = self.schedule_class(
