@@ -1,10 +1,12 @@
 """`parallelism=pipeline`: a pipeline's stages across ranks trains what one process trains.
 
-One torchrun launch of this file as a harness (`_stepped`, built once a session): 2 real worker
+One torchrun launch of this file as a harness (`stepped`, built once a module): 4 real worker
 processes over Gloo build the product's strategy (`accelexp.parallel.build_strategy`) for every
-schedule the installed torch has, step it through the loop's step (`accelexp.step.train_step`)
-and, in the same processes, a single-process reference from the same initial weights on the same
-batches. Each rank reports what it saw; the tests read the report. The end-to-end path (run.py's
+schedule the installed torch has, as 2 pipelines of 2 ranks (`parallelism.pp=2`: a 2-D mesh
+pp x dp, each stage's gradients averaged over dp), step it through the loop's step
+(`accelexp.step.train_step`), each pipeline on its half of a batch, and, in the same processes, a
+single-process reference from the same initial weights on the whole batch. Each rank reports
+what it saw; the tests read the report. The end-to-end path (run.py's
 launcher, MLflow, best.pt) is `test_contract.py`'s `pipeline-*` case; bad input is refused
 before any worker starts (`test_refused_before_any_worker`).
 """
@@ -22,8 +24,10 @@ import pytest
 
 HERE = Path(__file__).resolve()
 STEPS = 3
-BATCH = 16
+BATCH = 16  # per pipeline: the reference trains on REPLICAS * BATCH
 MICROBATCHES = 4
+PP, REPLICAS = 2, 2
+RANKS = PP * REPLICAS
 
 
 def _stepped_in_this_worker(out: Path) -> None:
@@ -52,6 +56,8 @@ def _stepped_in_this_worker(out: Path) -> None:
                 "sqlite:///unused.db",
                 *EXACT,
                 "parallelism=pipeline",
+                f"parallelism.nprocs={RANKS}",
+                f"parallelism.pp={PP}",
                 f"parallelism.schedule={schedule}",
                 f"parallelism.microbatches={MICROBATCHES}",
                 f"data.batch_size={BATCH}",
@@ -63,23 +69,25 @@ def _stepped_in_this_worker(out: Path) -> None:
         single = Strategy(ParallelismConfig())
         strategy = build_strategy(cfg)
         strategy.setup()
+        replica = strategy.shape.replica
+        rows = slice(replica * BATCH, (replica + 1) * BATCH)  # this pipeline's half
         placed = strategy.wrap_model(model)
         optimizer = strategy.wrap_optimizer(torch.optim.SGD(placed.parameters(), lr=0.1), placed)
         expected_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
         losses, expected_losses, logits_apart = [], [], 0.0
         generator = torch.Generator().manual_seed(1)
         for _ in range(STEPS):
-            images = torch.randn(
-                BATCH, 3, cfg.data.image_size, cfg.data.image_size, generator=generator
-            )
-            labels = torch.randint(0, 10, (BATCH,), generator=generator)
-            loss, logits = train_step(placed, images, labels, optimizer, strategy)
+            size = (REPLICAS * BATCH, 3, cfg.data.image_size, cfg.data.image_size)
+            images = torch.randn(*size, generator=generator)
+            labels = torch.randint(0, 10, (REPLICAS * BATCH,), generator=generator)
+            loss, logits = train_step(placed, images[rows], labels[rows], optimizer, strategy)
             expected, expected_logits = train_step(
                 reference, images, labels, expected_optimizer, single
             )
-            losses.append(loss.item())
+            losses.append(loss.item())  # this pipeline's: their mean is the whole batch's
             expected_losses.append(expected.item())
-            logits_apart = max(logits_apart, (logits - expected_logits).abs().max().item())
+            apart = (logits - expected_logits[rows]).abs().max().item()
+            logits_apart = max(logits_apart, apart)
         whole = strategy.model_state_dict(placed)
         apart = None
         if whole is not None:
@@ -105,6 +113,9 @@ def _stepped_in_this_worker(out: Path) -> None:
             "eval_apart": eval_apart,
             "reloaded": reloaded,
             "stages": strategy.describe()["stages"],
+            "replica": replica,
+            "stage": strategy.shape.stage,
+            "train_shard": list(strategy.train_sampler(4 * REPLICAS, seed=0)),
             "own_params": sum(p.numel() for p in placed.parameters()),
             "all_params": sum(p.numel() for p in reference.parameters()),
         }
@@ -114,16 +125,16 @@ def _stepped_in_this_worker(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def stepped(tmp_path_factory) -> dict[int, dict[str, dict]]:
-    """Each rank's report of the harness (one torchrun launch of this file, 2 workers)."""
+    """Each rank's report of the harness (one torchrun launch of this file, 4 workers)."""
     out = tmp_path_factory.mktemp("pipeline-ranks")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parents[1])}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
          str(HERE), str(out)],
         cwd=out, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)}
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)}
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -134,18 +145,31 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 def test_each_schedule_trains_what_one_process_trains(stepped, schedule):
     if schedule not in stepped[0]:
         pytest.skip(f"this torch has no {schedule} schedule")
-    for rank in (0, 1):
-        seen = stepped[rank][schedule]
-        # every rank holds the step's loss and logits (the last stage's, sent to the others)
-        assert seen["losses"] == pytest.approx(seen["expected_losses"], rel=1e-5)
-        assert seen["logits_apart"] < 1e-4
-        assert seen["eval_apart"] < 1e-4
-        # each rank holds its own stages only
-        assert 0 < seen["own_params"] < seen["all_params"]
-    main = stepped[0][schedule]
-    assert main["params_apart"] < 1e-5  # the whole model, gathered on rank 0
+    seen = {rank: stepped[rank][schedule] for rank in range(RANKS)}
+    # the mesh: rank = pipeline rank * replicas + replica (ranks 0, 1: stage 0 of pipelines 0, 1)
+    assert [(s["stage"], s["replica"]) for s in seen.values()] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    by_replica = {r: [s for s in seen.values() if s["replica"] == r] for r in range(REPLICAS)}
+    for replica, ranks in by_replica.items():
+        # every rank of a pipeline holds its step's loss (the last stage's, sent to the others)
+        assert ranks[0]["losses"] == ranks[1]["losses"], replica
+        # each pipeline its own shard of the data, the pipelines' shards disjoint
+        assert ranks[0]["train_shard"] == ranks[1]["train_shard"], replica
+    shards = [set(by_replica[r][0]["train_shard"]) for r in range(REPLICAS)]
+    assert not shards[0] & shards[1] and len(shards[0] | shards[1]) == 4 * REPLICAS
+    # the pipelines' losses average to the whole batch's: each trained on its half
+    halves = (by_replica[r][0]["losses"] for r in range(REPLICAS))
+    mean = [sum(pair) / REPLICAS for pair in zip(*halves, strict=True)]
+    assert mean == pytest.approx(seen[0]["expected_losses"], rel=1e-5)
+    for rank, mine in seen.items():
+        assert mine["logits_apart"] < 1e-4, rank  # its half's logits, as one process's
+        assert mine["eval_apart"] < 1e-4, rank
+        assert 0 < mine["own_params"] < mine["all_params"], rank  # its own stages only
+        assert (mine["params_apart"] is None) == (rank != 0)
+    main = seen[0]
+    # the whole model, gathered on rank 0, is what one process trained on the whole batch: the
+    # gradients were averaged over the pipelines (dp)
+    assert main["params_apart"] < 1e-5
     assert main["reloaded"] is True
-    assert stepped[1][schedule]["params_apart"] is None
     assert main["stages"] == (4 if schedule.startswith(("interleaved", "zero")) else 2)
 
 
@@ -163,6 +187,8 @@ def bad(overrides: str, named: str):
         bad("parallelism.schedule=interleaved_1f1b parallelism.microbatches=5 data.batch_size=20",
             "multiple of their rounds"),
         bad("parallelism.sync=horovod", "Horovod's collectives-only API"),
+        bad("parallelism.sync=fsdp", "pipeline x FSDP) is not built"),
+        bad("parallelism.pp=3 parallelism.nprocs=4", "parallelism.pp=3 does not divide"),
         bad("parallelism.nprocs=1", "at least 2"),
         bad("parallelism.accumulate_steps=2", "parallelism.accumulate_steps=2"),
         bad("speed.compile=default", "speed.compile=default with parallelism=pipeline"),

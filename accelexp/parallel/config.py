@@ -121,9 +121,11 @@ PIPELINE_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble
 
 @dataclass
 class PipelineConfig(ParallelismConfig):
-    """Stages across ranks (torch.distributed.pipelining): `nprocs` processes, one pipeline,
-    rank r holding stage r (interleaved schedules: stages r and r + nprocs), activations sent
-    between the processes; a schedule drives each step's micro-batches."""
+    """Stages across ranks (torch.distributed.pipelining): `nprocs` processes, pipelines of `pp`
+    ranks (null: one pipeline of all of them), pipeline rank p holding stage p (interleaved
+    schedules: stages p and p + pp), activations sent between the processes; a schedule drives
+    each step's micro-batches. nprocs / pp pipelines are data-parallel replicas: a 2-D mesh
+    `pp` x `dp`, each stage's gradients averaged over `dp`."""
 
     name: str = option_name("pipeline")
     placement: str = like(ParallelismConfig, "placement", "stages per rank")
@@ -136,6 +138,11 @@ class PipelineConfig(ParallelismConfig):
         choices=tuple(PIPELINE_SCHEDULES),
     )
     microbatches: int = key(4, "micro-batches per batch, pipelined by the schedule")
+    pp: int | None = key(
+        None,
+        "ranks per pipeline; null: all nprocs. Fewer: nprocs / pp pipelines in data "
+        "parallel (gradients averaged over the mesh's dp dimension)",
+    )
     backend: str = like(DDPConfig, "backend")
     master_port: int | None = like(DDPConfig, "master_port")
     max_restarts: int = like(DDPConfig, "max_restarts")

@@ -56,6 +56,15 @@ UNPAIRED = {
         "a pipeline's ranks send activations to each other point to point "
         "(torch.distributed.pipelining), which Horovod's collectives-only API does not offer"
     ),
+    ("stages per rank", "ddp"): (
+        "parallelism=pipeline makes data-parallel replicas itself: parallelism.pp ranks per "
+        "pipeline, nprocs / pp pipelines, each stage's gradients averaged over the mesh's dp "
+        "dimension"
+    ),
+    ("stages per rank", "fsdp"): (
+        "sharding each stage over the dp dimension (pipeline x FSDP) is not built: "
+        "parallelism.pp gives replicated (DDP-like) pipelines"
+    ),
 }
 
 
@@ -159,8 +168,15 @@ def _rank_stages_problems(cfg: DictConfig) -> list[str]:
     """A pipeline across ranks (`parallelism=pipeline`): its micro-batches, and what its
     schedule does not run."""
     parallelism, batch_size = cfg.parallelism, cfg.data.batch_size
-    micro, ranks, schedule = parallelism.microbatches, parallelism.nprocs, parallelism.schedule
+    micro, schedule, nprocs = parallelism.microbatches, parallelism.schedule, parallelism.nprocs
+    pp = parallelism.get("pp")
+    ranks = nprocs if pp is None else pp  # the ranks of one pipeline
     problems = []
+    if pp is not None and pp >= 1 and nprocs % pp:
+        problems.append(
+            f"  parallelism.pp={pp} does not divide parallelism.nprocs={nprocs} into pipelines: "
+            f"use nprocs a multiple of pp (e.g. parallelism.nprocs={pp * -(-nprocs // pp)})."
+        )
     if micro >= 1 and (micro > batch_size or batch_size % micro):
         divisors = [m for m in range(1, min(batch_size, 64) + 1) if batch_size % m == 0]
         problems.append(
@@ -169,8 +185,9 @@ def _rank_stages_problems(cfg: DictConfig) -> list[str]:
             f"{micro}."
         )
     if ranks < 2:
+        named = "nprocs" if pp is None else "pp"
         problems.append(
-            f"  parallelism.nprocs={ranks}: a pipeline across ranks needs at least 2 (one "
+            f"  parallelism.{named}={ranks}: a pipeline across ranks needs at least 2 (one "
             f"process is parallelism=model)."
         )
     elif micro >= 1 and _schedule_refuses(schedule, micro, ranks):
@@ -307,4 +324,5 @@ KEY_RULES: list[Rule] = [
     ("parallelism.devices_per_replica", *AT_LEAST_ONE),
     _declared("schedule"),
     ("parallelism.microbatches", *AT_LEAST_ONE),
+    ("parallelism.pp", *OPTIONAL_AT_LEAST_ONE),
 ]

@@ -1,10 +1,15 @@
 """The `RankStages` placement: a pipeline's stages across ranks (`torch.distributed.pipelining`).
 
 `parallelism=pipeline` is stages per rank × `p2p` (`StageLinks`): `nprocs` processes, started
-and joined as DDP's are (torchrun; a torchrun or srun world), form one pipeline. The model's layer
-sequence (`accelexp.models.layer_sequence`) is cut into as many stages as it has ranks (two per
+and joined as DDP's are (torchrun; a torchrun or srun world), form pipelines of `parallelism.pp`
+ranks (null: one of all of them). The world is a 2-D mesh (torchtitan's `pp` x `dp`, a
+`DeviceMesh`; world rank = pipeline rank * replicas + replica, as `WorldShape` numbers it): each
+pipeline is a data-parallel replica on its shard of the data, and each stage's gradients are
+averaged over the ranks holding that stage (the dp dimension: one flat allreduce after the
+schedule's step, DDP's average without its overlap). The model's layer sequence
+(`accelexp.models.layer_sequence`) is cut into as many stages as a pipeline has ranks (two per
 rank under an interleaved schedule), balanced by parameter count as `parallelism=model` cuts it
-(`pipeline.split_layers`); rank r keeps stage r (interleaved: stages r and r + nprocs, the
+(`pipeline.split_layers`); pipeline rank p keeps stage p (interleaved: stages p and p + pp, the
 "loop" order torch's interleaved schedules expect) and drops the rest. Activations go forward and
 their gradients back with point-to-point sends, in the order of the schedule
 `parallelism.schedule` names (`SCHEDULES`: those of the installed torch), each batch cut into
@@ -20,8 +25,10 @@ Gradients are the mean over micro-batches (`scale_grads`): a step trains what on
 on the whole batch, BatchNorm aside (it normalises each micro-batch, as in GPipe).
 
 Checkpoints: the stages' weights are gathered into the whole model's state dict on rank 0
-(`whole_state`; `best.pt` loads anywhere), and each rank takes its own layers back from it; the
-optimizer's state is kept per rank (`{"ranks": [...]}`), which a resume of the same pipeline reads.
+(`whole_state`: the first pipeline's ranks send theirs to rank 0 alone, `gather_object`; `best.pt`
+loads anywhere), and each rank takes its own layers back from it; the optimizer's state is kept
+per pipeline rank (`{"ranks": [...]}`, the first pipeline's), which a resume of the same
+pipeline depth reads.
 """
 
 from __future__ import annotations
@@ -105,17 +112,26 @@ class RankPipeline(nn.Module):
     pipeline across ranks: the placed model the loop evaluates with."""
 
     def __init__(
-        self, parts: Sequence[nn.Module], indices: Sequence[int], stages: int, device: torch.device
+        self,
+        parts: Sequence[nn.Module],
+        indices: Sequence[int],
+        stages: int,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        global_ranks: Sequence[int],
     ) -> None:
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.indices = list(indices)  # the global index of each part
         self.stages = stages
         self.device = device
-        self.ranks = dist.get_world_size()
-        self.rank = dist.get_rank()
+        self.group = group  # this pipeline's ranks (the mesh's pp dimension)
+        self.global_ranks = list(global_ranks)  # pipeline rank -> world rank
+        self.ranks = len(self.global_ranks)
+        self.rank = self.global_ranks.index(dist.get_rank())
 
     def owner(self, stage: int) -> int:
+        """The pipeline rank holding `stage`."""
         return stage % self.ranks
 
     @property
@@ -131,11 +147,12 @@ class RankPipeline(nn.Module):
             if self.owner(stage) != self.rank:
                 continue
             if stage > 0 and self.owner(stage - 1) != self.rank:
-                h = self._recv(self.owner(stage - 1))
+                h = self._recv(self.global_ranks[self.owner(stage - 1)])
             h = parts[stage](h)
             if stage + 1 < self.stages and self.owner(stage + 1) != self.rank:
-                dist.send(_header(h), self.owner(stage + 1))
-                dist.send(h.contiguous(), self.owner(stage + 1))
+                to = self.global_ranks[self.owner(stage + 1)]
+                dist.send(_header(h), to)
+                dist.send(h.contiguous(), to)
         return self.share(h if self.rank == self.last_rank else None)
 
     def _recv(self, source: int) -> torch.Tensor:
@@ -146,19 +163,19 @@ class RankPipeline(nn.Module):
         return tensor
 
     def share(self, tensor: torch.Tensor | None) -> torch.Tensor:
-        """The last stage's `tensor` on every rank (None on the others)."""
-        source = self.last_rank
+        """The last stage's `tensor` on every rank of this pipeline (None on the others)."""
+        source = self.global_ranks[self.last_rank]
         header = (
             _header(tensor)
             if tensor is not None
             else torch.empty(_HEADER, dtype=torch.int64, device=self.device)
         )
-        dist.broadcast(header, source)
+        dist.broadcast(header, source, group=self.group)
         if tensor is None:
             tensor = _empty_from(header, self.device)
         else:
             tensor = tensor.detach().contiguous()
-        dist.broadcast(tensor, source)
+        dist.broadcast(tensor, source, group=self.group)
         return tensor
 
 
@@ -197,6 +214,8 @@ class RankStages(Placement):
         self.per_rank = PIPELINE_SCHEDULES[cfg.schedule]
         self.shape = WorldShape()
         self.schedule = None
+        self.pp_group: dist.ProcessGroup | None = None  # this rank's pipeline (set by start)
+        self.dp_group: dist.ProcessGroup | None = None  # the ranks holding its stages (dp > 1)
         self.stages: list = []
         self.split_points: list[int] = []
         self.spans: list[str] = []
@@ -206,34 +225,51 @@ class RankStages(Placement):
 
     @classmethod
     def label(cls, cfg: PipelineConfig) -> dict[str, str]:
-        return {"parallelism.schedule": f"{cfg.schedule}-m{cfg.microbatches}"}
+        pp = getattr(cfg, "pp", None)
+        return ({"parallelism.pp": f"pp{pp}"} if pp else {}) | {
+            "parallelism.schedule": f"{cfg.schedule}-m{cfg.microbatches}"
+        }
 
     def choose_devices(self, local_rank: int) -> list[torch.device]:
         self.devices = [resolve_device(self.device_request, local_rank)]
         return self.devices
 
     def ranks_per_replica(self, world: World) -> int:
-        return world.world_size  # one pipeline (data parallelism over replicas: not yet)
+        """`parallelism.pp` ranks per pipeline (null: the whole world, one pipeline)."""
+        return self.cfg.pp or world.world_size
 
     def start(self, shape: WorldShape) -> None:
-        if shape.processes < 2:
+        """The world as a 2-D mesh, pp (outer) x dp (inner), as `WorldShape` numbers it (rank
+        = pipeline rank * replicas + replica): this rank's pipeline is its pp group, the ranks
+        holding the same stages its dp group."""
+        if shape.ranks_per_replica < 2:
             raise ConfigError(
-                "parallelism=pipeline needs at least 2 ranks (parallelism.nprocs=2, or a "
-                "launcher's world of 2): one process is parallelism=model."
+                "parallelism=pipeline needs at least 2 ranks per pipeline (parallelism.nprocs=2, "
+                "or parallelism.pp=2): one process is parallelism=model."
             )
         self.shape = shape
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(
+            self.devices[0].type,
+            (shape.ranks_per_replica, shape.replicas),
+            mesh_dim_names=("pp", "dp"),
+        )
+        self.pp_group = mesh.get_group("pp")
+        self.dp_group = mesh.get_group("dp") if shape.replicas > 1 else None
 
     # --- the model cut and placed -------------------------------------------------------------
     def place(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
-        ranks, rank, device = self.shape.processes, self.shape.rank, self.devices[0]
+        ranks, rank, device = self.shape.ranks_per_replica, self.shape.stage, self.devices[0]
         count = ranks * self.per_rank
         layers = [name for name, _ in layer_sequence(model)]
         if count > len(layers):
             other = (
                 ", or a schedule of one stage per rank (gpipe, 1f1b)" if self.per_rank > 1 else ""
             )
+            said = f"parallelism.pp={ranks}" if self.cfg.pp else f"parallelism.nprocs={ranks}"
             raise ConfigError(
-                f"parallelism.nprocs={ranks} with parallelism.schedule={self.cfg.schedule} cuts "
+                f"{said} with parallelism.schedule={self.cfg.schedule} cuts "
                 f"{type(model).__name__} into {count} stages ({self.per_rank} per rank), but it "
                 f"has only {len(layers)} layers to split ({', '.join(layers)}): use at most "
                 f"{len(layers) // self.per_rank} ranks{other}."
@@ -247,7 +283,15 @@ class RankStages(Placement):
                 for module in next(iter(parts[k].children())).modules():
                     if getattr(module, "inplace", False):
                         module.inplace = False
-        pipeline = RankPipeline([parts[k] for k in mine], mine, count, device)
+        replicas, replica = self.shape.replicas, self.shape.replica
+        pipeline = RankPipeline(
+            [parts[k] for k in mine],
+            mine,
+            count,
+            device,
+            self.pp_group,
+            [p * replicas + replica for p in range(ranks)],
+        )
         whole = model.state_dict(keep_vars=True)
         key_of = {id(t): name for name, t in whole.items()}
         self.whole_keys = list(whole)
@@ -263,7 +307,7 @@ class RankStages(Placement):
 
         pipeline, device = self.pipeline, self.devices[0]
         stages = [
-            PipelineStage(part, k, pipeline.stages, device)
+            PipelineStage(part, k, pipeline.stages, device, group=self.pp_group)
             for k, part in zip(pipeline.indices, pipeline.parts, strict=True)
         ]
         self.stages = stages  # torch's PipelineStage of each of this rank's stages
@@ -275,7 +319,7 @@ class RankStages(Placement):
         except (ValueError, AssertionError) as error:
             raise ConfigError(
                 f"parallelism.schedule={self.cfg.schedule} with parallelism.microbatches="
-                f"{self.cfg.microbatches} over {self.shape.processes} ranks: {error}"
+                f"{self.cfg.microbatches} over {self.shape.ranks_per_replica} ranks: {error}"
             ) from error
 
     # --- the step ------------------------------------------------------------------------------
@@ -312,14 +356,42 @@ class RankStages(Placement):
             loss = torch.stack([loss.detach() for loss in losses]).mean()
             figures = torch.cat([loss.view(1), logits.detach().float().flatten()])
         figures = pipeline.share(figures)
+        self._average_over_replicas()
         clock.mark(BACKWARD)
         return figures[0], figures[1:].view(len(labels), -1)
 
+    def _average_over_replicas(self) -> None:
+        """Data parallelism over the mesh's dp dimension: each of this rank's gradients
+        averaged with those of the ranks holding the same stages (the other pipelines), in one
+        flat allreduce once the schedule's step has made them all (DDP's average, not
+        overlapped with the backward pass)."""
+        if self.dp_group is None:
+            return
+        grads = [p.grad for p in self.pipeline.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.shape.replicas
+        for grad, mean in zip(
+            grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+        ):
+            grad.copy_(mean)
+
     # --- the whole model's state, on rank 0 -----------------------------------------------------
+    def _gather_on_main(self, part: object) -> list:
+        """The first pipeline's `part` of each of its ranks, by pipeline rank, on rank 0 ([]
+        elsewhere; the other pipelines hold the same): collective, every rank calls it."""
+        shape = self.shape
+        mine = (shape.stage, part) if shape.replica == 0 else None
+        gathered: list | None = [None] * shape.processes if shape.is_main else None
+        dist.gather_object(mine, gathered, dst=0)
+        return [part for _, part in sorted(x for x in gathered or [] if x is not None)]
+
     def whole_state(self, state: dict, sync: Sync) -> dict:
-        if "param_groups" in state:  # an optimizer's: each rank's own, in rank order
-            return {"ranks": sync.gather_object(_on_cpu(state))}
-        gathered = sync.gather_object({self.names[k]: v.detach().cpu() for k, v in state.items()})
+        if "param_groups" in state:  # an optimizer's: each pipeline rank's own, in rank order
+            return {"ranks": self._gather_on_main(_on_cpu(state))}
+        gathered = self._gather_on_main({self.names[k]: v.detach().cpu() for k, v in state.items()})
         merged = {k: v for part in gathered for k, v in part.items()}
         return {k: merged[k] for k in self.whole_keys if k in merged}
 
@@ -327,7 +399,7 @@ class RankStages(Placement):
         if state is None:
             return None
         if "ranks" in state:
-            return state["ranks"][self.shape.rank]
+            return state["ranks"][self.shape.stage]
         return {mine: state[whole] for mine, whole in self.names.items()}
 
     # --- what a run logs of it -------------------------------------------------------------------
@@ -340,15 +412,19 @@ class RankStages(Placement):
             facts |= {
                 record.stage_fact(k, "layers"): span,
                 record.stage_fact(k, "params"): params,
-                record.stage_fact(k, "rank"): k % self.shape.processes,
+                record.stage_fact(k, "rank"): k % self.shape.ranks_per_replica,
             }
         return facts
 
     def memory_metrics(self, optimizer: torch.optim.Optimizer | None) -> dict[str, float]:
-        """Each rank's peak (the process's RSS on a CPU, the allocator's on CUDA), by rank
-        (`stage{r}_peak_mem_mb`: the stages of rank r), the largest as `peak_mem_mb`."""
+        """Each rank's peak (the process's RSS on a CPU, the allocator's on CUDA), by pipeline
+        rank (`stage{r}_peak_mem_mb`: the stages of pipeline rank r, the largest over the
+        replicas), the largest as `peak_mem_mb`."""
         peaks = [0.0] * self.shape.processes
         dist.all_gather_object(peaks, peak_memory_mb(self.devices[0]))
+        by_rank = [0.0] * self.shape.ranks_per_replica
+        for rank, mb in enumerate(peaks):  # world rank = pipeline rank * replicas + replica
+            by_rank[rank // self.shape.replicas] = max(by_rank[rank // self.shape.replicas], mb)
         return {record.PEAK_MEM_MB: max(peaks)} | {
-            record.stage_peak_mem_mb(r): mb for r, mb in enumerate(peaks)
+            record.stage_peak_mem_mb(r): mb for r, mb in enumerate(by_rank)
         }
