@@ -221,5 +221,52 @@ def test_more_stages_than_layers_names_the_ranks_and_schedule():
         placement.place(three_layers)
 
 
+# --- the report: a pipeline's keys are compared, its memory not (hand-made records, no launch) --
+def _logged(name, parallelism, precision, samples, **params):
+    from accelexp.tracking.query import RunRecord
+
+    workers = "1" if parallelism == "single" else "2"
+    pipeline = {"parallelism.schedule": "1f1b", "parallelism.microbatches": "4"}
+    return RunRecord(
+        run_id=f"id-{name}",
+        name=name,
+        status="FINISHED",
+        start_time=0,
+        tags={"parallelism": parallelism, "precision": precision, "model": "m", "data": "d",
+              "world_size": workers},
+        params={"epochs": "3", "data.batch_size": "64", "parallelism.nprocs": workers,
+                **(pipeline if parallelism == "pipeline" else {}), **params},
+        metrics={"timed_steps": 20.0, "state_mem_mb": 40.0, "peak_mem_mb": 900.0},
+        histories={"samples_per_s": list(enumerate(samples, start=1))},
+    )  # fmt: skip
+
+
+def test_the_report_compares_a_pipeline_only_with_the_same_schedule_and_micro_batches():
+    from accelexp.report import compare
+    from accelexp.report.memory import memory_row
+
+    records = [
+        _logged("single", "single", "fp32", [1, 100, 100]),
+        _logged("1f1b", "pipeline", "fp32", [1, 150, 150]),
+        _logged("gpipe", "pipeline", "fp32", [1, 120, 120], **{"parallelism.schedule": "gpipe"}),
+        _logged("1f1b-bf16", "pipeline", "bf16", [1, 300, 300]),
+        _logged("m8-bf16", "pipeline", "bf16", [1, 200, 200], **{"parallelism.microbatches": "8"}),
+    ]
+    rows = {row.run_name: row for row in compare(records)}
+    # against one process, the schedule is what the pipeline changes: a speedup
+    assert rows["1f1b"].speedup == pytest.approx(1.5)
+    assert rows["gpipe"].speedup == pytest.approx(1.2)
+    # an AMP gain over the fp32 run of the same schedule (300 / 150), not gpipe's (300 / 120)
+    assert rows["1f1b-bf16"].amp_gain == pytest.approx(2.0)
+    # none where no fp32 run has its micro-batches, and the note says which key differs
+    assert rows["m8-bf16"].amp_gain is None
+    assert "parallelism.microbatches (8 vs 4)" in rows["m8-bf16"].note
+    # the memory study: a pipeline's rank 0 logs its own stages' state only, so it stays blank
+    pipeline, single = memory_row(records[1]), memory_row(records[0])
+    assert pipeline.peak_mem_mb == 900.0 and pipeline.state_mem_mb is None
+    assert "a pipeline's ranks hold different stages" in pipeline.note
+    assert single.state_mem_mb == 40.0
+
+
 if __name__ == "__main__":
     _stepped_in_this_worker(Path(sys.argv[1]))
