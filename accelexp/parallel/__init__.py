@@ -13,7 +13,7 @@ option of `conf/parallelism/` is a preset of a pair, and its other keys belong t
 | fsdp    | one device                                | fsdp: FSDP2 shards (`fsdp`)      |
 | model   | stages over devices (`model.Stages`)      | none                             |
 | hybrid  | stages over devices                       | ddp or horovod: its choice       |
-| pipeline| a stage per rank (`stages_per_rank`)      | p2p: activations sent, no replica|
+| pipeline| a stage per rank (`stages_per_rank`)      | p2p: activations sent; pp x dp   |
 
 `composition(parallelism)` loads the classes the two keys name; `build_strategy(cfg)` composes
 them into the `base.Strategy` the loop talks to, which owns the run's `Precision`; `connect(cfg)`
