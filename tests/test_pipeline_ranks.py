@@ -72,8 +72,9 @@ def _stepped_in_this_worker(out: Path) -> None:
         replica = strategy.shape.replica
         rows = slice(replica * BATCH, (replica + 1) * BATCH)  # this pipeline's half
         placed = strategy.wrap_model(model)
-        optimizer = strategy.wrap_optimizer(torch.optim.SGD(placed.parameters(), lr=0.1), placed)
-        expected_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+        sgd = {"lr": 0.1, "momentum": 0.9}  # momentum: an optimizer state to save and resume
+        optimizer = strategy.wrap_optimizer(torch.optim.SGD(placed.parameters(), **sgd), placed)
+        expected_optimizer = torch.optim.SGD(reference.parameters(), **sgd)
         losses, expected_losses, logits_apart = [], [], 0.0
         generator = torch.Generator().manual_seed(1)
         for _ in range(STEPS):
@@ -105,6 +106,13 @@ def _stepped_in_this_worker(out: Path) -> None:
         strategy.load_model_state_dict(placed, strategy.sync.broadcast_object(fresh))
         again = strategy.model_state_dict(placed)
         reloaded = None if again is None else all(torch.equal(again[k], fresh[k]) for k in fresh)
+        # the optimizer's state: saved on rank 0 (per pipeline rank), each rank's back (a resume)
+        momenta = [s["momentum_buffer"].clone() for s in optimizer.state_dict()["state"].values()]
+        saved = strategy.optimizer_state_dict(placed, optimizer)
+        for state in optimizer.state.values():  # lost, as in a fresh process
+            state["momentum_buffer"].zero_()
+        strategy.load_optimizer_state_dict(placed, optimizer, strategy.sync.broadcast_object(saved))
+        resumed = [s["momentum_buffer"] for s in optimizer.state_dict()["state"].values()]
         report[schedule] = {
             "losses": losses,
             "expected_losses": expected_losses,
@@ -112,6 +120,9 @@ def _stepped_in_this_worker(out: Path) -> None:
             "params_apart": apart,
             "eval_apart": eval_apart,
             "reloaded": reloaded,
+            "saved_ranks": None if saved is None else len(saved["ranks"]),
+            "optimizer_resumed": len(momenta) > 0
+            and all(torch.equal(a, b) for a, b in zip(momenta, resumed, strict=True)),
             "stages": strategy.describe()["stages"],
             "replica": replica,
             "stage": strategy.shape.stage,
@@ -170,6 +181,8 @@ def test_each_schedule_trains_what_one_process_trains(stepped, schedule):
     # gradients were averaged over the pipelines (dp)
     assert main["params_apart"] < 1e-5
     assert main["reloaded"] is True
+    assert main["saved_ranks"] == PP  # the first pipeline's ranks' optimizer states
+    assert all(mine["optimizer_resumed"] for mine in seen.values())
     assert main["stages"] == (4 if schedule.startswith(("interleaved", "zero")) else 2)
 
 
