@@ -200,10 +200,13 @@ class Trainer:
         return batches_per_epoch(len(loader), self.max_steps)
 
     def _sum_over_ranks(self, *values: torch.Tensor | float) -> list[float]:
+        """Each value summed over the replicas: over the ranks, each replica counted once (the
+        ranks of a pipeline across processes all hold their replica's figures)."""
         stacked = torch.stack(
             [torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values]
         )
-        return self.strategy.sync.reduce_sum(stacked).tolist()
+        total = self.strategy.sync.reduce_sum(stacked)
+        return (total / self.strategy.shape.ranks_per_replica).tolist()
 
     def train_epoch(self, loader: BatchLoader, epoch: int) -> EpochResult:
         self.model.train()

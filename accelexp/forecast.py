@@ -18,6 +18,8 @@ activations, temporaries. As torchtitan's `scripts/estimate` does.
   Horovod's fusion buffer (`HOROVOD_FUSION_THRESHOLD`, 64 MiB) is outside PyTorch's allocator,
   in neither the forecast nor the measured peak. Stages (model, hybrid) are forecast on the
   devices the run would use: on a CPU they share it; on GPUs each stage's device has its line.
+  Not a pipeline across ranks (`parallelism=pipeline`): refused, with why
+  (`Placement.unforecast`).
 - **Not in the forecast**: `speed.compile` (its graphs and workspaces are compiled, not traced:
   the forecast runs eager), the allocator's cache and fragmentation on a GPU, the libraries'
   memory (CUDA context, about 0.5 GiB), and the data loader's batches in flight.
@@ -106,6 +108,8 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
     if shape is None:
         raise ConfigError(f"data.name={cfg.data.name}: no known image shape to forecast with")
     strategy = build_strategy(parts)
+    if strategy.placement.unforecast:
+        raise ConfigError(f"estimate=true: {strategy.placement.unforecast}")
     sync, shards = strategy.sync, strategy.sync.shards
     if not shards:  # replicas: a worker holds what one process holds, and what its sync adds
         strategy.sync = Sync(parts.parallelism)

@@ -3,7 +3,8 @@
 Forward (the batch cast as the precision's model takes it: `Precision.cast_inputs`) and loss
 (in fp32, as autocast computes it, whatever the logits' dtype) under the precision's autocast,
 backward with its loss scaling inside the strategy's backward context (`sync=False` for the
-micro-batches that only accumulate, the loss divided by `accumulate`), and on the step that
+micro-batches that only accumulate, the loss divided by `accumulate`) — the strategy's
+`forward_backward`, which a pipeline across ranks runs as its schedule —, and on the step that
 completes a group of micro-batches the strategy's optimizer step, `zero_grad` and the
 scheduler's step. It knows only the interfaces (`Strategy` and its `precision`), never a
 concrete strategy.
@@ -19,10 +20,9 @@ from typing import Protocol
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from accelexp.parallel.base import Strategy
-from accelexp.timing import BACKWARD, FORWARD, OPTIMIZER
+from accelexp.timing import OPTIMIZER
 
 
 class PhaseMarks(Protocol):
@@ -56,14 +56,9 @@ def train_step(
     optimizer step); every micro-batch's loss is divided by `accumulate`."""
     if clock is None:
         clock = Unmarked()
-    precision = strategy.precision
-    with strategy.backward_context(model, sync=step_now):
-        with precision.autocast():
-            logits = model(precision.cast_inputs(images))
-            loss = F.cross_entropy(logits.float(), labels)
-        clock.mark(FORWARD)
-        precision.backward(loss / accumulate if accumulate > 1 else loss)
-    clock.mark(BACKWARD)
+    loss, logits = strategy.forward_backward(
+        model, images, labels, accumulate=accumulate, sync=step_now, clock=clock
+    )
     if step_now:
         strategy.optimizer_step(optimizer)
         optimizer.zero_grad()  # set_to_none by default since torch 2.0

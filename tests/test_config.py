@@ -168,7 +168,7 @@ def test_a_key_of_another_data_option_is_refused(compose_cfg):
 
 
 def test_a_key_of_other_strategies_names_them(compose_cfg):
-    owners = r"parallelism=ddp, parallelism=fsdp and parallelism=hybrid"
+    owners = r"parallelism=ddp, parallelism=fsdp, parallelism=hybrid and parallelism=pipeline"
     with pytest.raises(ConfigError, match=owners):
         validate(compose_cfg("+parallelism.backend=gloo"))
 

@@ -10,7 +10,9 @@ One parametrized suite over every strategy, against references trained once per 
   one, DDP's outside `no_sync`, Horovod's the allreduce its `backward_passes_per_step` delayed;
   FSDP's block units run eager on a ViT and compiled on the CNN);
 - **split = unsplit**: a model cut into stages (`parallelism=model`, any chunks or split points,
-  any optimizer and precision) trains as the whole model on one device does;
+  any optimizer and precision) trains as the whole model on one device does; so does a pipeline
+  across 2 ranks (`parallelism=pipeline`, 1F1B, 4 micro-batches: run.py's launch end to end;
+  every schedule is stepped against one process in `test_pipeline_ranks.py`);
 - **switch = eager**: `speed.compile` and `speed.channels_last` under 2 workers end where the
   eager NCHW workers end (bf16 autocast, Horovod's gradients sent as fp16 too; under FSDP in
   fp32, against one process);
@@ -100,6 +102,16 @@ def _hybrid(sync: str, name: str | None = None) -> Callable[[Run], None]:
         assert name is None or run.info.run_name == name
 
     return check
+
+
+def _pipeline(run: Run) -> None:
+    params = run.data.params
+    # one pipeline: 1 replica over 2 ranks, a stage each
+    facts = ("replicas", "devices_per_replica", "world_size", "stages", "stage1_rank")
+    assert tuple(params[k] for k in facts) == ("1", "2", "2", "2", "1")
+    assert (run.data.tags["placement"], run.data.tags["sync"]) == ("stages per rank", "p2p")
+    assert {"stage0_peak_mem_mb", "stage1_peak_mem_mb"} <= run.data.metrics.keys()
+    assert run.info.run_name == "simple_cnn-pipeline-np2-1f1b-m4-fp32"
 
 
 def _compiled_fsdp(run: Run) -> None:
@@ -197,6 +209,17 @@ CASES = [
             *RESNET18,
         ),
         (*RESNET18, "precision=bf16"),
+    ),
+    Case(
+        "pipeline-1f1b",
+        (
+            "parallelism=pipeline",
+            "parallelism.nprocs=2",
+            "parallelism.schedule=1f1b",
+            "parallelism.microbatches=4",
+            *ONE_PROCESS,
+        ),
+        check=_pipeline,
     ),
     Case(
         "adamw-onecycle",

@@ -308,7 +308,8 @@ def test_a_taken_master_port_is_one_clear_message(tmp_path, compose_cfg):
 
 def test_several_workers_need_a_multi_process_strategy(compose_cfg, tmp_path):
     with pytest.raises(
-        ConfigError, match="use parallelism=ddp, fsdp, horovod or hybrid for several workers"
+        ConfigError,
+        match="use parallelism=ddp, fsdp, horovod, hybrid or pipeline for several workers",
     ):
         launch(compose_cfg("parallelism.nprocs=2"), tmp_path / "out")
 

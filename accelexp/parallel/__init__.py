@@ -13,6 +13,7 @@ option of `conf/parallelism/` is a preset of a pair, and its other keys belong t
 | fsdp    | one device                                | fsdp: FSDP2 shards (`fsdp`)      |
 | model   | stages over devices (`model.Stages`)      | none                             |
 | hybrid  | stages over devices                       | ddp or horovod: its choice       |
+| pipeline| a stage per rank (`stages_per_rank`)      | p2p: activations sent; pp x dp   |
 
 `composition(parallelism)` loads the classes the two keys name; `build_strategy(cfg)` composes
 them into the `base.Strategy` the loop talks to, which owns the run's `Precision`; `connect(cfg)`
@@ -42,6 +43,7 @@ from accelexp.parallel.config import (
     HybridConfig,
     ModelParallelConfig,
     ParallelismConfig,
+    PipelineConfig,
 )
 
 if TYPE_CHECKING:
@@ -54,12 +56,14 @@ PLACEMENTS = {
     "one device": "accelexp.parallel.base:Placement",
     "dataparallel": "accelexp.parallel.dp:DataParallelPlacement",
     "stages": "accelexp.parallel.model:Stages",
+    "stages per rank": "accelexp.parallel.stages_per_rank:RankStages",
 }
 SYNCS = {
     "none": "accelexp.parallel.base:Sync",
     "ddp": "accelexp.parallel.ddp:DDPSync",
     "fsdp": "accelexp.parallel.fsdp:FSDPSync",
     "horovod": "accelexp.parallel.horovod:HorovodSync",
+    "p2p": "accelexp.parallel.stages_per_rank:StageLinks",
 }
 
 
@@ -91,6 +95,7 @@ STRATEGIES: dict[str, Preset] = {
     "fsdp": Preset("one device", ("fsdp",), FSDPConfig, unsharded="ddp"),
     "model": Preset("stages", ("none",), ModelParallelConfig),
     "hybrid": Preset("stages", ("ddp", "horovod"), HybridConfig),
+    "pipeline": Preset("stages per rank", ("p2p",), PipelineConfig),
 }
 # a preset and the one it shards the training state of are otherwise alike: same placement
 assert all(

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.data import DistributedSampler, Sampler
 
 from accelexp import record
@@ -37,7 +38,7 @@ from accelexp.parallel.config import ParallelismConfig
 from accelexp.parallel.world import World, WorldShape
 from accelexp.precision.runtime import Precision
 from accelexp.schema import PrecisionConfig
-from accelexp.timing import CommTime
+from accelexp.timing import BACKWARD, FORWARD, CommTime
 
 
 def resolve_device(request: str, local_rank: int = 0) -> torch.device:
@@ -106,6 +107,8 @@ class Placement:
     """Where one replica's layers live; this base: all of them on one device."""
 
     name = "one device"
+    # why the memory forecast (`accelexp.forecast`, one process) cannot model this placement
+    unforecast: str | None = None
     # the preset whose synced replicas of this placement put more devices to work (the
     # scale-out advice to a run of one process)
     replicated_as = "ddp"
@@ -130,6 +133,46 @@ class Placement:
         """The replica's devices (the first holds the inputs, labels and outputs)."""
         self.devices = [resolve_device(self.device_request, local_rank)]
         return self.devices
+
+    def ranks_per_replica(self, world: World) -> int:
+        """The processes of `world` one replica spans (`WorldShape.ranks_per_replica`)."""
+        return 1
+
+    def start(self, shape: WorldShape) -> None:
+        """Once the world is joined and its communication open: what the placement needs of it."""
+
+    def forward_backward(
+        self,
+        strategy: Strategy,
+        model: nn.Module,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        accumulate: int,
+        sync: bool,
+        clock,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch's forward pass, loss and backward pass (`accelexp.step.train_step`'s):
+        (loss, logits), neither detached; this base: the model called on the batch under the
+        precision's autocast, the loss in fp32, its backward with loss scaling inside the
+        sync's backward context."""
+        precision = strategy.precision
+        with strategy.backward_context(model, sync=sync):
+            with precision.autocast():
+                logits = model(precision.cast_inputs(images))
+                loss = F.cross_entropy(logits.float(), labels)
+            clock.mark(FORWARD)
+            precision.backward(loss / accumulate if accumulate > 1 else loss)
+        clock.mark(BACKWARD)
+        return loss, logits
+
+    def whole_state(self, state: dict, sync: Sync) -> dict:
+        """The whole model's (or optimizer's) state from this process's `state` (collective);
+        this base: a replica holds all of it."""
+        return state
+
+    def own_state(self, state: dict | None) -> dict | None:
+        """This process's part of a whole model's (or optimizer's) `state`."""
+        return state
 
     def place(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
         """Put the model on the replica's device(s); `input_shape` is one batch's shape."""
@@ -334,12 +377,15 @@ class Strategy:
         """Join the world, choose the devices, build the world's shape, open communication."""
         self.world = world = self.sync.join()
         devices = self.placement.choose_devices(world.local_rank)
-        self.shape = WorldShape.build(world, devices, shards=self.sync.shards)
+        self.shape = WorldShape.build(
+            world, devices, self.sync.shards, self.placement.ranks_per_replica(world)
+        )
         self.device = devices[0]
         self.__dict__.pop("precision", None)  # built again on the device chosen
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.sync.start(self.device, self.shape)
+        self.placement.start(self.shape)
 
     @functools.cached_property
     def precision(self) -> Precision:
@@ -410,24 +456,28 @@ class Strategy:
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on the main rank, None elsewhere; every rank calls it."""
         state = self.sync.model_state_dict(self.unwrap(model))
+        state = self.placement.whole_state(state, self.sync)
         return state if self.shape.is_main else None
 
     def load_model_state_dict(self, model: nn.Module, state: dict | None) -> None:
         """The main rank's whole-model weights into every rank's model; every rank calls it."""
-        self.sync.load_model_state_dict(self.unwrap(model), state)
+        self.sync.load_model_state_dict(self.unwrap(model), self.placement.own_state(state))
 
     def optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> dict | None:
         """The whole optimizer's state on the main rank, None elsewhere; every rank calls it."""
         state = self.sync.optimizer_state_dict(self.unwrap(model), optimizer)
+        state = self.placement.whole_state(state, self.sync)
         return state if self.shape.is_main else None
 
     def load_optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict | None
     ) -> None:
         """The main rank's optimizer state into every rank's optimizer; every rank calls it."""
-        self.sync.load_optimizer_state_dict(self.unwrap(model), optimizer, state)
+        self.sync.load_optimizer_state_dict(
+            self.unwrap(model), optimizer, self.placement.own_state(state)
+        )
 
     @property
     def checkpoint_sharded(self) -> bool:
@@ -464,6 +514,22 @@ class Strategy:
         """Where a backward pass runs; `sync=False` for the micro-batches that only accumulate."""
         return self.sync.backward_context(model, sync)
 
+    def forward_backward(
+        self,
+        model: nn.Module,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        accumulate: int = 1,
+        sync: bool = True,
+        clock=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One batch's forward, loss and backward: (loss, logits) the same on every rank of a
+        replica. The placement's: the model called in this process, or a pipeline schedule
+        across ranks (`stages_per_rank`), which runs both passes itself. `clock` is told where
+        the forward and backward phases end (`accelexp.step.PhaseMarks`)."""
+        return self.placement.forward_backward(self, model, images, labels, accumulate, sync, clock)
+
     # --- data --------------------------------------------------------------------------------
     def train_sampler(self, num_samples: int, seed: int) -> Sampler[int]:
         """A shuffled shard per rank, reshuffled by `set_epoch`.
@@ -475,14 +541,14 @@ class Strategy:
         return DistributedSampler(
             range(num_samples),
             num_replicas=self.shape.replicas,
-            rank=self.shape.rank,
+            rank=self.shape.replica,
             shuffle=True,
             seed=seed,
         )
 
     def eval_sampler(self, num_samples: int) -> Sampler[int]:
         """This rank's share of an evaluation set: each sample once over all ranks, no padding."""
-        return ShardSampler(num_samples, self.shape.replicas, self.shape.rank)
+        return ShardSampler(num_samples, self.shape.replicas, self.shape.replica)
 
     # --- advice (a verdict's; what cuts communication: `sync.comm_advice`) -------------------
     def scale_out_advice(self, machine: Machine) -> Advice | None:

@@ -112,3 +112,37 @@ class HybridConfig(PipelineFields, HorovodConfig, DDPConfig):
     nprocs: int = like(ParallelismConfig, "nprocs", 2)
     devices_per_replica: int = key(2, "devices each replica's pipeline spans")
     stages: int | None = key(None, "pipeline stages per replica; null: one per device")
+
+
+# the schedules of torch.distributed.pipelining `parallelism=pipeline` offers (the installed
+# torch's: `stages_per_rank.SCHEDULES`), and the virtual stages each rank holds under each
+PIPELINE_SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
+
+
+@dataclass
+class PipelineConfig(ParallelismConfig):
+    """Stages across ranks (torch.distributed.pipelining): `nprocs` processes, pipelines of `pp`
+    ranks (null: one pipeline of all of them), pipeline rank p holding stage p (interleaved
+    schedules: stages p and p + pp), activations sent between the processes; a schedule drives
+    each step's micro-batches. nprocs / pp pipelines are data-parallel replicas: a 2-D mesh
+    `pp` x `dp`, each stage's gradients averaged over `dp`."""
+
+    name: str = option_name("pipeline")
+    placement: str = like(ParallelismConfig, "placement", "stages per rank")
+    sync: str = like(ParallelismConfig, "sync", "p2p")
+    nprocs: int = like(ParallelismConfig, "nprocs", 2)
+    schedule: str = key(
+        "1f1b",
+        "micro-batch order: gpipe, 1f1b, interleaved_1f1b, zero_bubble (interleaved: 2 "
+        "stages per rank)",
+        choices=tuple(PIPELINE_SCHEDULES),
+    )
+    microbatches: int = key(4, "micro-batches per batch, pipelined by the schedule")
+    pp: int | None = key(
+        None,
+        "ranks per pipeline; null: all nprocs. Fewer: nprocs / pp pipelines in data "
+        "parallel (gradients averaged over the mesh's dp dimension)",
+    )
+    backend: str = like(DDPConfig, "backend")
+    master_port: int | None = like(DDPConfig, "master_port")
+    max_restarts: int = like(DDPConfig, "max_restarts")

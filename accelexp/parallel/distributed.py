@@ -51,12 +51,12 @@ class TorchDistributed(Sync):
                 backend,
                 store=self._store(addr, port, shape),
                 rank=shape.rank,
-                world_size=shape.replicas,
+                world_size=shape.processes,
                 timeout=TIMEOUT,
             )
         except (RuntimeError, dist.DistStoreError) as error:
             raise AccelexpError(
-                f"{self.cfg.name} could not form its world of {shape.replicas} at "
+                f"{self.cfg.name} could not form its world of {shape.processes} at "
                 f"tcp://{addr}:{port} ({error}). If the port is taken, set "
                 f"parallelism.master_port to a free one (or unset MASTER_PORT)."
             ) from error
@@ -88,7 +88,7 @@ class TorchDistributed(Sync):
         store = dist.TCPStore(
             addr,
             port,
-            shape.replicas,
+            shape.processes,
             is_master=shape.rank == 0 and not agent_hosts,
             timeout=TIMEOUT,
         )

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from itertools import pairwise
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from accelexp.keys import (
     AT_LEAST_ONE,
@@ -51,6 +51,19 @@ UNPAIRED = {
     ("stages", "fsdp"): (
         "FSDP shards one model over the data-parallel workers, and hybrid's replicas are "
         "pipelines of stages; sharding pipeline stages (2-D parallelism) is not supported"
+    ),
+    ("stages per rank", "horovod"): (
+        "a pipeline's ranks send activations to each other point to point "
+        "(torch.distributed.pipelining), which Horovod's collectives-only API does not offer"
+    ),
+    ("stages per rank", "ddp"): (
+        "parallelism=pipeline makes data-parallel replicas itself: parallelism.pp ranks per "
+        "pipeline, nprocs / pp pipelines, each stage's gradients averaged over the mesh's dp "
+        "dimension"
+    ),
+    ("stages per rank", "fsdp"): (
+        "sharding each stage over the dp dimension (pipeline x FSDP) is not built: "
+        "parallelism.pp gives replicated (DDP-like) pipelines"
     ),
 }
 
@@ -151,6 +164,76 @@ def _stages_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def _rank_stages_problems(cfg: DictConfig) -> list[str]:
+    """A pipeline across ranks (`parallelism=pipeline`): its micro-batches, and what its
+    schedule does not run."""
+    parallelism, batch_size = cfg.parallelism, cfg.data.batch_size
+    micro, schedule, nprocs = parallelism.microbatches, parallelism.schedule, parallelism.nprocs
+    pp = parallelism.get("pp")
+    ranks = nprocs if pp is None else pp  # the ranks of one pipeline
+    problems = []
+    if pp is not None and pp >= 1 and nprocs % pp:
+        problems.append(
+            f"  parallelism.pp={pp} does not divide parallelism.nprocs={nprocs} into pipelines: "
+            f"use nprocs a multiple of pp (e.g. parallelism.nprocs={pp * -(-nprocs // pp)})."
+        )
+    if micro >= 1 and (micro > batch_size or batch_size % micro):
+        divisors = [m for m in range(1, min(batch_size, 64) + 1) if batch_size % m == 0]
+        problems.append(
+            f"  parallelism.microbatches={micro} does not cut data.batch_size={batch_size} into "
+            f"equal micro-batches: use microbatches in {divisors} or a batch size divisible by "
+            f"{micro}."
+        )
+    if ranks < 2:
+        named = "nprocs" if pp is None else "pp"
+        problems.append(
+            f"  parallelism.{named}={ranks}: a pipeline across ranks needs at least 2 (one "
+            f"process is parallelism=model)."
+        )
+    elif micro >= 1 and _schedule_refuses(schedule, micro, ranks):
+        problems.append(
+            f"  parallelism.microbatches={micro} with parallelism.schedule={schedule} over "
+            f"{ranks} ranks: {_schedule_refuses(schedule, micro, ranks)}."
+        )
+    if parallelism.accumulate_steps != 1:
+        problems.append(
+            f"  parallelism.accumulate_steps={parallelism.accumulate_steps} with "
+            f"parallelism=pipeline: the schedule's micro-batches are its accumulation; use "
+            f"parallelism.microbatches and a larger data.batch_size."
+        )
+    refused = {
+        "speed.compile": (cfg.speed.compile != "off", "the stages run eager"),
+        "speed.activation_checkpointing": (
+            cfg.speed.activation_checkpointing != "none",
+            "not tried with the schedules' split backward",
+        ),
+        "max_batch.search": (cfg.max_batch.search, "a schedule's micro-batch shapes are fixed"),
+    }
+    for key, (asked, why) in refused.items():
+        if asked:
+            problems.append(
+                f"  {key}={OmegaConf.select(cfg, key)} with parallelism=pipeline: {why}; "
+                f"drop it, or use parallelism=model."
+            )
+    return problems
+
+
+def _schedule_refuses(schedule: str, micro: int, ranks: int) -> str:
+    """What torch's `schedule` asks of `micro` micro-batches over `ranks` ranks and they lack
+    ("" where nothing): 1F1B at least one per rank; the interleaved schedules a multiple of
+    their rounds (max(1, micro // ranks))."""
+    if schedule == "1f1b" and micro < ranks:
+        return f"1F1B needs at least one micro-batch per rank (parallelism.microbatches>={ranks})"
+    rounds = max(1, micro // ranks)
+    if schedule in ("interleaved_1f1b", "zero_bubble") and micro % rounds:
+        near = rounds * (micro // rounds)
+        return (
+            f"the interleaved schedules need a multiple of their rounds ({rounds}), e.g. "
+            f"parallelism.microbatches={near or ranks}"
+        )
+    return ""
+
+
 def _fsdp_problems(cfg: DictConfig) -> list[str]:
     """CUDA graphs over weights FSDP frees every step."""
     if cfg.speed.compile == "reduce-overhead":
@@ -173,6 +256,15 @@ def _backend_resource_problems(cfg: DictConfig, gpus: int) -> list[str]:
     return []
 
 
+def _p2p_resource_problems(cfg: DictConfig, gpus: int) -> list[str]:
+    if cfg.precision.name == "amp" and gpus:
+        return [
+            "  precision=amp on CUDA scales fp16 losses with a GradScaler, whose skipped steps "
+            "each stage of parallelism=pipeline would decide alone: use precision=bf16."
+        ]
+    return []
+
+
 def _fsdp_resource_problems(cfg: DictConfig, gpus: int) -> list[str]:
     if cfg.parallelism.get("cpu_offload") and not gpus:
         return [
@@ -182,10 +274,14 @@ def _fsdp_resource_problems(cfg: DictConfig, gpus: int) -> list[str]:
     return []
 
 
-PLACEMENT_PROBLEMS: dict[str, Callable[[DictConfig], list[str]]] = {"stages": _stages_problems}
+PLACEMENT_PROBLEMS: dict[str, Callable[[DictConfig], list[str]]] = {
+    "stages": _stages_problems,
+    "stages per rank": _rank_stages_problems,
+}
 SYNC_PROBLEMS: dict[str, Callable[[DictConfig], list[str]]] = {"fsdp": _fsdp_problems}
 SYNC_RESOURCE_PROBLEMS: dict[str, Callable[[DictConfig, int], list[str]]] = {
     "fsdp": _fsdp_resource_problems,
+    "p2p": _p2p_resource_problems,
 }
 
 
@@ -226,4 +322,7 @@ KEY_RULES: list[Rule] = [
     ("parallelism.sync", lambda v: v in SYNCS, _either(SYNCS)),
     ("parallelism.granularity", lambda v: v in GRANULARITIES, " or ".join(GRANULARITIES)),
     ("parallelism.devices_per_replica", *AT_LEAST_ONE),
+    _declared("schedule"),
+    ("parallelism.microbatches", *AT_LEAST_ONE),
+    ("parallelism.pp", *OPTIONAL_AT_LEAST_ONE),
 ]

@@ -103,27 +103,43 @@ class WorldShape:
 
     replicas: int = 1
     devices_per_replica: int = 1
-    rank: int = 0  # this process's replica
+    rank: int = 0  # this process's rank in the world (one replica each, but in a pipeline)
     local_rank: int = 0  # its index among the processes on this machine
+    # the processes one replica spans: 1, or a pipeline's stages across ranks (`pipeline`); the
+    # world is then a mesh of `ranks_per_replica` (pp, outer) x `replicas` (dp, inner)
+    ranks_per_replica: int = 1
 
     @classmethod
-    def build(cls, world: World, devices: Sequence[torch.device], shards: bool) -> WorldShape:
-        """The shape of `world`, whose processes each drive one replica over `devices`.
+    def build(
+        cls,
+        world: World,
+        devices: Sequence[torch.device],
+        shards: bool,
+        ranks_per_replica: int = 1,
+    ) -> WorldShape:
+        """The shape of `world`, whose processes each drive one replica over `devices`, or, with
+        `ranks_per_replica` > 1, each a part of one (a pipeline's stages across ranks).
 
         `shards`: the replicas hold shards of one model (FSDP), so each needs a device of its
         own; a process on a GPU another process of the machine also uses is refused.
         """
         if not devices:
             raise ConfigError("a replica needs at least one device")
+        if world.world_size % ranks_per_replica:
+            raise ConfigError(
+                f"a world of {world.world_size} processes cannot be cut into replicas of "
+                f"{ranks_per_replica} ranks each."
+            )
         shape = cls(
-            replicas=world.world_size,
-            devices_per_replica=len(set(devices)),
+            replicas=world.world_size // ranks_per_replica,
+            devices_per_replica=len(set(devices)) * ranks_per_replica,
             rank=world.rank,
             local_rank=world.local_rank,
+            ranks_per_replica=ranks_per_replica,
         )
-        if not 0 <= shape.rank < shape.replicas:
+        if not 0 <= shape.rank < shape.processes:
             raise AccelexpError(
-                f"rank {shape.rank} is outside a world of {shape.replicas} processes: the "
+                f"rank {shape.rank} is outside a world of {shape.processes} processes: the "
                 f"launcher's environment ({world.source}) is inconsistent."
             )
         import torch
@@ -137,6 +153,23 @@ class WorldShape:
                 f"or use device=cpu."
             )
         return shape
+
+    @property
+    def processes(self) -> int:
+        """The world's processes: `replicas` x `ranks_per_replica`."""
+        return self.replicas * self.ranks_per_replica
+
+    @property
+    def replica(self) -> int:
+        """This process's replica (its data shard): its rank, but in a pipeline across ranks,
+        whose ranks all see their replica's batch."""
+        return self.rank % self.replicas
+
+    @property
+    def stage(self) -> int:
+        """This process's place in its replica: its pipeline rank (0 where a replica is one
+        process)."""
+        return self.rank // self.replicas
 
     @property
     def world_size(self) -> int:

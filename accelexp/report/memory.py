@@ -14,6 +14,14 @@ what the process's RSS cannot show, since about a GiB of it is the libraries) an
 per-worker batch that fit (`max_batch`, searched on a GPU with `max_batch.search=true`). A figure
 left blank has its reason in `note`.
 
+A pipeline across ranks (`parallelism=pipeline`, placement `stages per rank`: `PER_RANK_STATE`)
+is in the table with its speed and its peak (`peak_mem_mb`: the fullest rank's), but not its
+state or step peak per device: each rank holds other stages, and rank 0 logs its own only, so
+`state_mem_mb` is not the fullest device's (`stage<r>_peak_mem_mb` gives each rank's peak). It
+pulls no lever of `LEVERS` (activation checkpointing and the largest-batch search are refused
+under it); what its schedules save — 1F1B's activations against GPipe's — is measured per rank by
+`benchmarks/pipeline_ranks.py`, not by the study.
+
 `levers` weighs each memory lever a run pulled against the same run without it: `fsdp` against
 `ddp`, activation checkpointing against none, FSDP's `cpu_offload` against its shards on the
 device (`LEVERS`). "The same run" is like for like as the main report reads it
@@ -80,6 +88,14 @@ LEVERS_CSV = "memory_levers.csv"
 LEVERS_HEADING = "## Memory saved against speed lost, per lever"
 NOTE_SEPARATOR = "; "  # between the reasons of a row's note
 NOT_SEARCHED = "max batch not searched (max_batch.search=false)"
+# placements whose ranks hold different parts of one replica, of which rank 0 logs its own part
+# only: their state and step peak are no per-device figure of the replica's fullest device
+PER_RANK_STATE = {
+    "stages per rank": (
+        "state and step peak not compared: a pipeline's ranks hold different stages and rank 0 "
+        "logs its own only (stage<r>_peak_mem_mb: each rank's peak)"
+    ),
+}
 PANEL_SIZE = (5.2, 4.6)  # inches, one model's panel
 # rows and legend entries in this order: whole replicas, sharded, then split models
 
@@ -209,12 +225,16 @@ def memory_row(record: RunRecord) -> MemoryRow:
     if row.peak_mem_mb is None:
         notes.append(f"no {PEAK_MEM_MB} logged")
     state = record.metrics.get(STATE_MEM_MB)  # what one worker holds, over all its devices
-    if state is None:
+    preset = STRATEGIES.get(row.parallelism)
+    partial = PER_RANK_STATE.get(preset.placement) if preset else None
+    if partial:
+        notes.append(partial)
+    elif state is None:
         notes.append(f"no {STATE_MEM_MB} logged (a run from before it existed)")
     else:  # a worker over several devices (model, hybrid): split evenly among them
         row.state_mem_mb = state / max(1, (row.num_devices or 1) // (row.world_size or 1))
     step = record.metrics.get(STEP_PEAK_MB)  # on a CPU, measured after training
-    if step is not None:
+    if step is not None and not partial:
         row.step_peak_mb = step / max(1, (row.num_devices or 1) // (row.world_size or 1))
     searched = record.metrics.get(MAX_BATCH)
     if searched is not None:

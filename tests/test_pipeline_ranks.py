@@ -1,0 +1,285 @@
+"""`parallelism=pipeline`: a pipeline's stages across ranks trains what one process trains.
+
+One torchrun launch of this file as a harness (`stepped`, built once a module): 4 real worker
+processes over Gloo build the product's strategy (`accelexp.parallel.build_strategy`) for every
+schedule the installed torch has, as 2 pipelines of 2 ranks (`parallelism.pp=2`: a 2-D mesh
+pp x dp, each stage's gradients averaged over dp), step it through the loop's step
+(`accelexp.step.train_step`), each pipeline on its half of a batch, and, in the same processes, a
+single-process reference from the same initial weights on the whole batch. Each rank reports
+what it saw; the tests read the report. The end-to-end path (run.py's
+launcher, MLflow, best.pt) is `test_contract.py`'s `pipeline-*` case; bad input is refused
+before any worker starts (`test_refused_before_any_worker`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve()
+STEPS = 3
+BATCH = 16  # per pipeline: the reference trains on REPLICAS * BATCH
+MICROBATCHES = 4
+PP, REPLICAS = 2, 2
+RANKS = PP * REPLICAS
+
+
+def _stepped_in_this_worker(out: Path) -> None:
+    """The harness, in each torchrun worker: every schedule against the reference."""
+    import torch
+    import torch.distributed as dist
+
+    from accelexp.config import typed
+    from accelexp.models import build_model
+    from accelexp.parallel import build_strategy
+    from accelexp.parallel.base import Strategy
+    from accelexp.parallel.config import ParallelismConfig
+    from accelexp.parallel.stages_per_rank import available_schedules
+    from accelexp.step import train_step
+
+    sys.path.insert(0, str(HERE.parent))
+    from conftest import EXACT, compose_config
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")  # the strategies below join it: none tears it down
+    rank = dist.get_rank()
+    report: dict[str, dict] = {}
+    for schedule in available_schedules():
+        cfg = typed(
+            compose_config(
+                "sqlite:///unused.db",
+                *EXACT,
+                "parallelism=pipeline",
+                f"parallelism.nprocs={RANKS}",
+                f"parallelism.pp={PP}",
+                f"parallelism.schedule={schedule}",
+                f"parallelism.microbatches={MICROBATCHES}",
+                f"data.batch_size={BATCH}",
+            )
+        )
+        torch.manual_seed(0)
+        model = build_model(cfg.model, 3, 10, cfg.data.image_size)
+        reference = copy.deepcopy(model)
+        single = Strategy(ParallelismConfig())
+        strategy = build_strategy(cfg)
+        strategy.setup()
+        replica = strategy.shape.replica
+        rows = slice(replica * BATCH, (replica + 1) * BATCH)  # this pipeline's half
+        placed = strategy.wrap_model(model)
+        sgd = {"lr": 0.1, "momentum": 0.9}  # momentum: an optimizer state to save and resume
+        optimizer = strategy.wrap_optimizer(torch.optim.SGD(placed.parameters(), **sgd), placed)
+        expected_optimizer = torch.optim.SGD(reference.parameters(), **sgd)
+        losses, expected_losses, logits_apart = [], [], 0.0
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(STEPS):
+            size = (REPLICAS * BATCH, 3, cfg.data.image_size, cfg.data.image_size)
+            images = torch.randn(*size, generator=generator)
+            labels = torch.randint(0, 10, (REPLICAS * BATCH,), generator=generator)
+            loss, logits = train_step(placed, images[rows], labels[rows], optimizer, strategy)
+            expected, expected_logits = train_step(
+                reference, images, labels, expected_optimizer, single
+            )
+            losses.append(loss.item())  # this pipeline's: their mean is the whole batch's
+            expected_losses.append(expected.item())
+            apart = (logits - expected_logits[rows]).abs().max().item()
+            logits_apart = max(logits_apart, apart)
+        whole = strategy.model_state_dict(placed)
+        apart = None
+        if whole is not None:
+            expected_state = reference.state_dict()
+            assert whole.keys() == expected_state.keys(), (list(whole), list(expected_state))
+            apart = max((whole[k] - expected_state[k]).abs().max().item() for k in whole)
+        # evaluation: the whole batch through the ranks, the logits on every rank
+        placed.eval()
+        reference.eval()
+        with torch.no_grad():
+            images = torch.randn(BATCH + 3, 3, cfg.data.image_size, cfg.data.image_size)
+            eval_apart = (placed(images) - reference(images)).abs().max().item()
+        # the whole model's weights back into the stages (best.pt's test, a resume)
+        fresh = build_model(cfg.model, 3, 10, cfg.data.image_size).state_dict()
+        strategy.load_model_state_dict(placed, strategy.sync.broadcast_object(fresh))
+        again = strategy.model_state_dict(placed)
+        reloaded = None if again is None else all(torch.equal(again[k], fresh[k]) for k in fresh)
+        # the optimizer's state: saved on rank 0 (per pipeline rank), each rank's back (a resume)
+        momenta = [s["momentum_buffer"].clone() for s in optimizer.state_dict()["state"].values()]
+        saved = strategy.optimizer_state_dict(placed, optimizer)
+        for state in optimizer.state.values():  # lost, as in a fresh process
+            state["momentum_buffer"].zero_()
+        strategy.load_optimizer_state_dict(placed, optimizer, strategy.sync.broadcast_object(saved))
+        resumed = [s["momentum_buffer"] for s in optimizer.state_dict()["state"].values()]
+        report[schedule] = {
+            "losses": losses,
+            "expected_losses": expected_losses,
+            "logits_apart": logits_apart,
+            "params_apart": apart,
+            "eval_apart": eval_apart,
+            "reloaded": reloaded,
+            "saved_ranks": None if saved is None else len(saved["ranks"]),
+            "optimizer_resumed": len(momenta) > 0
+            and all(torch.equal(a, b) for a, b in zip(momenta, resumed, strict=True)),
+            "stages": strategy.describe()["stages"],
+            "replica": replica,
+            "stage": strategy.shape.stage,
+            "train_shard": list(strategy.train_sampler(4 * REPLICAS, seed=0)),
+            "own_params": sum(p.numel() for p in placed.parameters()),
+            "all_params": sum(p.numel() for p in reference.parameters()),
+        }
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def stepped(tmp_path_factory) -> dict[int, dict[str, dict]]:
+    """Each rank's report of the harness (one torchrun launch of this file, 4 workers)."""
+    out = tmp_path_factory.mktemp("pipeline-ranks")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parents[1])}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
+         str(HERE), str(out)],
+        cwd=out, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)}
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_schedule_trains_what_one_process_trains(stepped, schedule):
+    if schedule not in stepped[0]:
+        pytest.skip(f"this torch has no {schedule} schedule")
+    seen = {rank: stepped[rank][schedule] for rank in range(RANKS)}
+    # the mesh: rank = pipeline rank * replicas + replica (ranks 0, 1: stage 0 of pipelines 0, 1)
+    assert [(s["stage"], s["replica"]) for s in seen.values()] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    by_replica = {r: [s for s in seen.values() if s["replica"] == r] for r in range(REPLICAS)}
+    for replica, ranks in by_replica.items():
+        # every rank of a pipeline holds its step's loss (the last stage's, sent to the others)
+        assert ranks[0]["losses"] == ranks[1]["losses"], replica
+        # each pipeline its own shard of the data, the pipelines' shards disjoint
+        assert ranks[0]["train_shard"] == ranks[1]["train_shard"], replica
+    shards = [set(by_replica[r][0]["train_shard"]) for r in range(REPLICAS)]
+    assert not shards[0] & shards[1] and len(shards[0] | shards[1]) == 4 * REPLICAS
+    # the pipelines' losses average to the whole batch's: each trained on its half
+    halves = (by_replica[r][0]["losses"] for r in range(REPLICAS))
+    mean = [sum(pair) / REPLICAS for pair in zip(*halves, strict=True)]
+    assert mean == pytest.approx(seen[0]["expected_losses"], rel=1e-5)
+    for rank, mine in seen.items():
+        assert mine["logits_apart"] < 1e-4, rank  # its half's logits, as one process's
+        assert mine["eval_apart"] < 1e-4, rank
+        assert 0 < mine["own_params"] < mine["all_params"], rank  # its own stages only
+        assert (mine["params_apart"] is None) == (rank != 0)
+    main = seen[0]
+    # the whole model, gathered on rank 0, is what one process trained on the whole batch: the
+    # gradients were averaged over the pipelines (dp)
+    assert main["params_apart"] < 1e-5
+    assert main["reloaded"] is True
+    assert main["saved_ranks"] == PP  # the first pipeline's ranks' optimizer states
+    assert all(mine["optimizer_resumed"] for mine in seen.values())
+    assert main["stages"] == (4 if schedule.startswith(("interleaved", "zero")) else 2)
+
+
+def bad(overrides: str, named: str):
+    return pytest.param(overrides.split(), named, id=overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        bad("parallelism.schedule=zigzag", "parallelism.schedule"),
+        bad("parallelism.microbatches=3", "parallelism.microbatches=3 does not cut"),
+        bad("parallelism.microbatches=0", "parallelism.microbatches"),
+        bad("parallelism.microbatches=1", "1F1B needs at least one micro-batch per rank"),
+        bad("parallelism.schedule=interleaved_1f1b parallelism.microbatches=5 data.batch_size=20",
+            "multiple of their rounds"),
+        bad("parallelism.sync=horovod", "Horovod's collectives-only API"),
+        bad("parallelism.sync=fsdp", "pipeline x FSDP) is not built"),
+        bad("parallelism.pp=3 parallelism.nprocs=4", "parallelism.pp=3 does not divide"),
+        bad("parallelism.nprocs=1", "at least 2"),
+        bad("parallelism.accumulate_steps=2", "parallelism.accumulate_steps=2"),
+        bad("speed.compile=default", "speed.compile=default with parallelism=pipeline"),
+    ],
+)  # fmt: skip
+def test_refused_before_any_worker(overrides, named, cli, tmp_path, tracking_uri):
+    result = cli(
+        "parallelism=pipeline", "data=synthetic", "data.batch_size=16", "progress=false",
+        f"mlflow.tracking_uri={tracking_uri}", *overrides, tmp_path=tmp_path,
+    )  # fmt: skip
+    text = result.stdout + result.stderr
+    assert result.returncode == 2, text
+    assert "Traceback" not in text and "Starting" not in text, text
+    assert named in text, text
+
+
+def test_more_stages_than_layers_names_the_ranks_and_schedule():
+    import torch.nn as nn
+
+    from accelexp.errors import ConfigError
+    from accelexp.parallel.config import PipelineConfig
+    from accelexp.parallel.stages_per_rank import RankStages
+    from accelexp.parallel.world import WorldShape
+
+    placement = RankStages(PipelineConfig(nprocs=2, schedule="interleaved_1f1b"), "cpu")
+    placement.shape = WorldShape(devices_per_replica=2, ranks_per_replica=2)
+    three_layers = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    said = r"nprocs=2 with parallelism.schedule=interleaved_1f1b cuts Sequential into 4 stages"
+    with pytest.raises(ConfigError, match=said):
+        placement.place(three_layers)
+
+
+# --- the report: a pipeline's keys are compared, its memory not (hand-made records, no launch) --
+def _logged(name, parallelism, precision, samples, **params):
+    from accelexp.tracking.query import RunRecord
+
+    workers = "1" if parallelism == "single" else "2"
+    pipeline = {"parallelism.schedule": "1f1b", "parallelism.microbatches": "4"}
+    return RunRecord(
+        run_id=f"id-{name}",
+        name=name,
+        status="FINISHED",
+        start_time=0,
+        tags={"parallelism": parallelism, "precision": precision, "model": "m", "data": "d",
+              "world_size": workers},
+        params={"epochs": "3", "data.batch_size": "64", "parallelism.nprocs": workers,
+                **(pipeline if parallelism == "pipeline" else {}), **params},
+        metrics={"timed_steps": 20.0, "state_mem_mb": 40.0, "peak_mem_mb": 900.0},
+        histories={"samples_per_s": list(enumerate(samples, start=1))},
+    )  # fmt: skip
+
+
+def test_the_report_compares_a_pipeline_only_with_the_same_schedule_and_micro_batches():
+    from accelexp.report import compare
+    from accelexp.report.memory import memory_row
+
+    records = [
+        _logged("single", "single", "fp32", [1, 100, 100]),
+        _logged("1f1b", "pipeline", "fp32", [1, 150, 150]),
+        _logged("gpipe", "pipeline", "fp32", [1, 120, 120], **{"parallelism.schedule": "gpipe"}),
+        _logged("1f1b-bf16", "pipeline", "bf16", [1, 300, 300]),
+        _logged("m8-bf16", "pipeline", "bf16", [1, 200, 200], **{"parallelism.microbatches": "8"}),
+    ]
+    rows = {row.run_name: row for row in compare(records)}
+    # against one process, the schedule is what the pipeline changes: a speedup
+    assert rows["1f1b"].speedup == pytest.approx(1.5)
+    assert rows["gpipe"].speedup == pytest.approx(1.2)
+    # an AMP gain over the fp32 run of the same schedule (300 / 150), not gpipe's (300 / 120)
+    assert rows["1f1b-bf16"].amp_gain == pytest.approx(2.0)
+    # none where no fp32 run has its micro-batches, and the note says which key differs
+    assert rows["m8-bf16"].amp_gain is None
+    assert "parallelism.microbatches (8 vs 4)" in rows["m8-bf16"].note
+    # the memory study: a pipeline's rank 0 logs its own stages' state only, so it stays blank
+    pipeline, single = memory_row(records[1]), memory_row(records[0])
+    assert pipeline.peak_mem_mb == 900.0 and pipeline.state_mem_mb is None
+    assert "a pipeline's ranks hold different stages" in pipeline.note
+    assert single.state_mem_mb == 40.0
+
+
+if __name__ == "__main__":
+    _stepped_in_this_worker(Path(sys.argv[1]))
