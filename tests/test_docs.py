@@ -659,7 +659,7 @@ def command_is_slow(command: Command) -> bool:
         path = CONF_DIR / "experiment" / f"{study}.yaml"
         text += " " + path.read_text() if path.is_file() else ""
     many = re.search(
-        r"nprocs[=:] ?[\d,]*[2-9]|parallelism=(ddp|fsdp|horovod|hybrid)|"
+        r"nprocs[=:] ?[\d,]*[2-9]|parallelism=(ddp|fsdp|horovod|hybrid|pipeline)|"
         r"/parallelism: (ddp|fsdp|horovod)",
         text,
     )
