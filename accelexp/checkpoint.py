@@ -323,7 +323,10 @@ def save_shards(
     # a signal inside the collective write would stop one rank in it: the job stops after it
     with signals.deferred():
         try:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(folder))
+            # a key several ranks hold (a replica's copy) is written by the lowest of them: one
+            # rank's value, always the same one, not whichever rank had written least so far
+            planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), planner=planner)
             seen = sorted(f.name for f in folder.iterdir())
         except (OSError, CheckpointException) as failed:  # DCP: every rank's, on every rank
             error = failed
