@@ -24,11 +24,15 @@ its replica's figures and rank 0 logs the truth. Evaluation calls the placed mod
 Gradients are the mean over micro-batches (`scale_grads`): a step trains what one process trains
 on the whole batch, BatchNorm aside (it normalises each micro-batch, as in GPipe).
 
-Checkpoints: the stages' weights are gathered into the whole model's state dict on rank 0
-(`whole_state`: the first pipeline's ranks send theirs to rank 0 alone, `gather_object`; `best.pt`
-loads anywhere), and each rank takes its own layers back from it; the optimizer's state is kept
-per pipeline rank (`{"ranks": [...]}`, the first pipeline's), which a resume of the same
-pipeline depth reads.
+Checkpoints: `last.pt`'s model and optimizer are sharded (`StageLinks.checkpoint_sharded`):
+each rank writes its stages' states with torch.distributed.checkpoint, keyed by the whole
+model's parameter names (`RankPipeline.fqns`; the optimizer's flattened by parameter), so a
+pipeline of another depth, or one process with the plain model, reads them back; a replica's
+copy is written once (the lowest rank's: the first pipeline's). `best.pt` is the whole model
+gathered on rank 0 (`whole_state`: the first pipeline's ranks send theirs to rank 0 alone,
+`gather_object`; it loads anywhere), and each rank takes its own layers back from it; a `last.pt`
+written gathered before keeps the optimizer's state per pipeline rank (`{"ranks": [...]}`),
+which a resume of the same pipeline depth reads.
 """
 
 from __future__ import annotations
