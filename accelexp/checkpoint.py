@@ -309,10 +309,12 @@ def save_shards(
 ) -> dict[str, Any] | None:
     """Every rank: `state` (the model's and optimizer's state dicts as this rank holds them,
     `Strategy.sharded_state_dict`) written with `torch.distributed.checkpoint` into a new folder
-    of `checkpoints`, each rank its own shards, in parallel; each rank then hashes its share of
-    the folder's files. Returns, on the main rank, what `training_state` keeps of them (the
-    folder's name, each file's size and sha256, the world's size); None on the others. The
-    folder counts once a whole `last.pt` names it (`save`)."""
+    of `checkpoints`, each rank its own shards, in parallel (a key several ranks hold, a
+    replica's copy, is written once, by the lowest rank holding it: always the same rank's
+    values); each rank then hashes its share of the folder's files. Returns, on the main rank,
+    what `training_state` keeps of them (the folder's name, each file's size and sha256, the
+    world's size); None on the others. The folder counts once a whole `last.pt` names it
+    (`save`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -323,7 +325,10 @@ def save_shards(
     # a signal inside the collective write would stop one rank in it: the job stops after it
     with signals.deferred():
         try:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(folder))
+            # a key several ranks hold (a replica's copy) is written by the lowest of them: one
+            # rank's value, always the same one, not whichever rank had written least so far
+            planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), planner=planner)
             seen = sorted(f.name for f in folder.iterdir())
         except (OSError, CheckpointException) as failed:  # DCP: every rank's, on every rank
             error = failed

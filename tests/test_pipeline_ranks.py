@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import EXACT, compose_config
 
 HERE = Path(__file__).resolve()
 STEPS = 3
@@ -35,6 +36,7 @@ def _stepped_in_this_worker(out: Path) -> None:
     import torch
     import torch.distributed as dist
 
+    from accelexp import checkpoint
     from accelexp.config import typed
     from accelexp.models import build_model
     from accelexp.parallel import build_strategy
@@ -101,18 +103,43 @@ def _stepped_in_this_worker(out: Path) -> None:
         with torch.no_grad():
             images = torch.randn(BATCH + 3, 3, cfg.data.image_size, cfg.data.image_size)
             eval_apart = (placed(images) - reference(images)).abs().max().item()
+        # the training state through DCP (`save_shards`, as `last.pt` saves it): each rank its
+        # stages' shards, by the whole model's names; a resume reads them back (below)
+        trained = {k: v.clone() for k, v in placed.state_dict().items()}
+        momenta = [s["momentum_buffer"].clone() for s in optimizer.state_dict()["state"].values()]
+        shards = checkpoint.save_shards(
+            out / schedule, strategy.sharded_state_dict(placed, optimizer), 1, strategy.sync,
+            rank, RANKS,
+        )  # fmt: skip
+        if rank == 0:  # last.pt naming them (`read_whole`'s), and the gathered model beside it
+            checkpoint.save(out / schedule / "last.pt", {"shards": shards, "run_id": None})
+            torch.save(whole, out / schedule / "gathered.pt")
+        folder = out / schedule / strategy.sync.broadcast_object(shards and shards["folder"])
         # the whole model's weights back into the stages (best.pt's test, a resume)
         fresh = build_model(cfg.model, 3, 10, cfg.data.image_size).state_dict()
         strategy.load_model_state_dict(placed, strategy.sync.broadcast_object(fresh))
         again = strategy.model_state_dict(placed)
         reloaded = None if again is None else all(torch.equal(again[k], fresh[k]) for k in fresh)
         # the optimizer's state: saved on rank 0 (per pipeline rank), each rank's back (a resume)
-        momenta = [s["momentum_buffer"].clone() for s in optimizer.state_dict()["state"].values()]
         saved = strategy.optimizer_state_dict(placed, optimizer)
         for state in optimizer.state.values():  # lost, as in a fresh process
             state["momentum_buffer"].zero_()
         strategy.load_optimizer_state_dict(placed, optimizer, strategy.sync.broadcast_object(saved))
         resumed = [s["momentum_buffer"] for s in optimizer.state_dict()["state"].values()]
+        optimizer_resumed = len(momenta) > 0 and all(
+            torch.equal(a, b) for a, b in zip(momenta, resumed, strict=True)
+        )
+        # the resume of the sharded state: fresh weights and lost momenta, then the shards read
+        for state in optimizer.state.values():
+            state["momentum_buffer"].zero_()
+        filled = strategy.sharded_state_dict(placed, optimizer)
+        checkpoint.read_shards(folder, filled)
+        strategy.load_sharded_state_dict(placed, optimizer, filled)
+        after = optimizer.state_dict()["state"].values()
+        shards_resumed = all(torch.equal(v, trained[k]) for k, v in placed.state_dict().items())
+        shards_resumed &= all(
+            torch.equal(a, s["momentum_buffer"]) for a, s in zip(momenta, after, strict=True)
+        )
         report[schedule] = {
             "losses": losses,
             "expected_losses": expected_losses,
@@ -121,8 +148,8 @@ def _stepped_in_this_worker(out: Path) -> None:
             "eval_apart": eval_apart,
             "reloaded": reloaded,
             "saved_ranks": None if saved is None else len(saved["ranks"]),
-            "optimizer_resumed": len(momenta) > 0
-            and all(torch.equal(a, b) for a, b in zip(momenta, resumed, strict=True)),
+            "optimizer_resumed": optimizer_resumed,
+            "shards_resumed": shards_resumed,
             "stages": strategy.describe()["stages"],
             "replica": replica,
             "stage": strategy.shape.stage,
@@ -130,13 +157,45 @@ def _stepped_in_this_worker(out: Path) -> None:
             "own_params": sum(p.numel() for p in placed.parameters()),
             "all_params": sum(p.numel() for p in reference.parameters()),
         }
+    report["pp4"] = _resharded(out, cfg.model, rank)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
 
+def _resharded(out: Path, model_cfg, rank: int) -> dict:
+    """In the same workers: gpipe's checkpoint (2 stages x 2 replicas) read by one pipeline of 4
+    stages (`parallelism.pp=4`); each rank keeps what it read, by the whole model's names."""
+    import torch
+
+    from accelexp import checkpoint
+    from accelexp.config import typed
+    from accelexp.models import build_model
+    from accelexp.parallel import build_strategy
+
+    cfg = typed(
+        compose_config(
+            "sqlite:///unused.db", *EXACT, "parallelism=pipeline", f"parallelism.nprocs={RANKS}",
+            f"parallelism.pp={RANKS}", "parallelism.schedule=gpipe",
+            f"parallelism.microbatches={MICROBATCHES}", f"data.batch_size={BATCH}",
+        )
+    )  # fmt: skip
+    strategy = build_strategy(cfg)
+    strategy.setup()
+    placed = strategy.wrap_model(build_model(model_cfg, 3, 10, cfg.data.image_size))
+    optimizer = torch.optim.SGD(placed.parameters(), lr=0.5, momentum=0.9)
+    state = strategy.sharded_state_dict(placed, optimizer)
+    checkpoint.read_shards(
+        Path(checkpoint.load(out / "gpipe" / "last.pt")["shards"]["path"]), state
+    )
+    strategy.load_sharded_state_dict(placed, optimizer, state)
+    torch.save(strategy.sharded_state_dict(placed, optimizer), out / f"pp4-rank{rank}.pt")
+    return {"stage": strategy.shape.stage, "params": sum(p.numel() for p in placed.parameters())}
+
+
 @pytest.fixture(scope="module")
-def stepped(tmp_path_factory) -> dict[int, dict[str, dict]]:
-    """Each rank's report of the harness (one torchrun launch of this file, 4 workers)."""
+def harness(tmp_path_factory) -> Path:
+    """The harness's folder, once it ran (one torchrun launch of this file, 4 workers): each
+    rank's report, each schedule's checkpoint."""
     out = tmp_path_factory.mktemp("pipeline-ranks")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parents[1])}
     result = subprocess.run(
@@ -145,7 +204,13 @@ def stepped(tmp_path_factory) -> dict[int, dict[str, dict]]:
         cwd=out, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def stepped(harness) -> dict[int, dict[str, dict]]:
+    """Each rank's report of the harness."""
+    return {r: json.loads((harness / f"rank{r}.json").read_text()) for r in range(RANKS)}
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -183,7 +248,67 @@ def test_each_schedule_trains_what_one_process_trains(stepped, schedule):
     assert main["reloaded"] is True
     assert main["saved_ranks"] == PP  # the first pipeline's ranks' optimizer states
     assert all(mine["optimizer_resumed"] for mine in seen.values())
+    # the same state saved through DCP (`save_shards`) and read back (`read_shards`): bitwise
+    assert all(mine["shards_resumed"] for mine in seen.values())
     assert main["stages"] == (4 if schedule.startswith(("interleaved", "zero")) else 2)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # this process: no world
+def test_a_pipeline_checkpoint_holds_the_whole_model_by_name_and_reshards(harness, stepped):
+    """gpipe's checkpoint (2 stages x 2 replicas, `save_shards`): its shards are the whole
+    model by the plain model's names, written once (the first pipeline's ranks); a pipeline of 4
+    stages and one process with the plain model each read the whole of it back."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    from accelexp import checkpoint
+    from accelexp.config import typed
+    from accelexp.models import build_model
+
+    last = harness / "gpipe" / "last.pt"
+    whole = checkpoint.read_whole(last)  # read from the shards in this process
+    gathered = torch.load(harness / "gpipe" / "gathered.pt", weights_only=True)  # best.pt's
+    assert whole["model"].keys() == gathered.keys()  # the whole model's names
+    assert all(torch.equal(whole["model"][k], v) for k, v in gathered.items())
+    momenta = {k for k in whole["optimizer"] if k.startswith("state.")}
+    assert momenta == {f"state.{k}.momentum_buffer" for k in gathered}
+    # each key once, written by the first pipeline's ranks (world ranks 0 and 2), not a replica
+    folder = Path(checkpoint.load(last)["shards"]["path"])
+    metadata = dcp.FileSystemReader(folder).read_metadata()
+    assert {i.relative_path for i in metadata.storage_data.values()} == {
+        "__0_0.distcp", "__2_0.distcp"
+    }  # fmt: skip
+
+    def same(got: dict, want: dict) -> bool:
+        return got.keys() == want.keys() and all(
+            torch.equal(v, want[k]) if torch.is_tensor(v) else v == want[k] for k, v in got.items()
+        )
+
+    # one pipeline of 4 stages read it (4 ranks, each one stage): together, all of it, bitwise
+    assert sorted(stepped[r]["pp4"]["stage"] for r in range(RANKS)) == list(range(RANKS))
+    parts = [torch.load(harness / f"pp4-rank{r}.pt", weights_only=True) for r in range(RANKS)]
+    for key in ("model", "optimizer"):  # the optimizer's lr too (0.1 saved, built with 0.5)
+        assert same({k: v for p in parts for k, v in p[key].items()}, whole[key]), key
+
+    # one process, the plain model: the same shards read by name (DCP, no world)
+    cfg = typed(compose_config("sqlite:///unused.db", *EXACT))
+    model = build_model(cfg.model, 3, 10, cfg.data.image_size)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_state, optimizer_state = get_state_dict(model, sgd, options=flat)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    checkpoint.read_shards(folder, state)
+    set_state_dict(model, sgd, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"], options=flat)  # fmt: skip
+    assert same(model.state_dict(), gathered)
+    assert same(get_state_dict(model, sgd, options=flat)[1], whole["optimizer"])
+    assert sgd.param_groups[0]["lr"] == 0.1
 
 
 def bad(overrides: str, named: str):

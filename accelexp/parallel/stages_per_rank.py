@@ -24,11 +24,15 @@ its replica's figures and rank 0 logs the truth. Evaluation calls the placed mod
 Gradients are the mean over micro-batches (`scale_grads`): a step trains what one process trains
 on the whole batch, BatchNorm aside (it normalises each micro-batch, as in GPipe).
 
-Checkpoints: the stages' weights are gathered into the whole model's state dict on rank 0
-(`whole_state`: the first pipeline's ranks send theirs to rank 0 alone, `gather_object`; `best.pt`
-loads anywhere), and each rank takes its own layers back from it; the optimizer's state is kept
-per pipeline rank (`{"ranks": [...]}`, the first pipeline's), which a resume of the same
-pipeline depth reads.
+Checkpoints: `last.pt`'s model and optimizer are sharded (`StageLinks.checkpoint_sharded`):
+each rank writes its stages' states with torch.distributed.checkpoint, keyed by the whole
+model's parameter names (`RankPipeline.fqns`; the optimizer's flattened by parameter), so a
+pipeline of another depth, or one process with the plain model, reads them back; a replica's
+copy is written once (the lowest rank's: the first pipeline's). `best.pt` is the whole model
+gathered on rank 0 (`whole_state`: the first pipeline's ranks send theirs to rank 0 alone,
+`gather_object`; it loads anywhere), and each rank takes its own layers back from it; a `last.pt`
+written gathered before keeps the optimizer's state per pipeline rank (`{"ranks": [...]}`),
+which a resume of the same pipeline depth reads.
 """
 
 from __future__ import annotations
@@ -82,13 +86,67 @@ def _schedule_class(name: str) -> type:
     return schedules[name]
 
 
+def _flat_options():
+    """The optimizer's state dict flattened by parameter (`state.<fqn>.<entry>`,
+    `param_groups.<fqn>.<entry>`): each pipeline rank holds other parameters, so its
+    param_groups differ from the other ranks', and only keys by parameter name let DCP merge
+    them and reshard them for another cut."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _renamed(state: dict, names: dict[str, str], flat_optimizer: bool) -> dict:
+    """`state` (the same values) with each parameter's name replaced by `names[name]`: a model's
+    keys are the names; a flattened optimizer's are `<section>.<name>.<entry>`."""
+    if not flat_optimizer:
+        return {names[k]: v for k, v in state.items()}
+    renamed = {}
+    for key, value in state.items():
+        section, rest = key.split(".", 1)
+        name, entry = rest.rsplit(".", 1)
+        renamed[f"{section}.{names[name]}.{entry}"] = value
+    return renamed
+
+
 class StageLinks(TorchDistributed):
     """The sync of a pipeline across ranks: torch.distributed's world (the launcher, Gloo or
     NCCL, the collectives the loop sums its figures with); one replica, every parameter on one
-    rank, so nothing to agree on: the activations travel by the placement's schedule."""
+    rank, so nothing to agree on: the activations travel by the placement's schedule.
+
+    Checkpoints are sharded (`checkpoint_sharded`): each rank's stages' weights and optimizer
+    state, keyed by the whole model's parameter names (`RankPipeline.fqns`), each rank writing
+    its own through torch.distributed.checkpoint; the replicas' identical copies are written once
+    (DCP keeps each key of the lowest rank holding it: the first pipeline's, as `best.pt`)."""
 
     name = "p2p"
     cfg: PipelineConfig
+    checkpoint_sharded = True
+
+    def sharded_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """This rank's stages' states by the whole model's names (`model`: the `RankPipeline`);
+        the optimizer's flattened by parameter (`state.<name>.<entry>`)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=_flat_options())
+        return {
+            "model": _renamed(model_state, model.fqns, flat_optimizer=False),
+            "optimizer": _renamed(optimizer_state, model.fqns, flat_optimizer=True),
+        }
+
+    def load_sharded_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        own = {whole: mine for mine, whole in model.fqns.items()}
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=_renamed(state["model"], own, flat_optimizer=False),
+            optim_state_dict=_renamed(state["optimizer"], own, flat_optimizer=True),
+            options=_flat_options(),
+        )
 
 
 # dtypes a tensor sent between stages may have (its header says which)
@@ -129,6 +187,7 @@ class RankPipeline(nn.Module):
         self.global_ranks = list(global_ranks)  # pipeline rank -> world rank
         self.ranks = len(self.global_ranks)
         self.rank = self.global_ranks.index(dist.get_rank())
+        self.fqns: dict[str, str] = {}  # this module's parameter names -> the whole model's
 
     def owner(self, stage: int) -> int:
         """The pipeline rank holding `stage`."""
@@ -298,6 +357,7 @@ class RankStages(Placement):
         self.names = {
             name: key_of[id(t)] for name, t in pipeline.state_dict(keep_vars=True).items()
         }
+        pipeline.fqns = self.names
         pipeline.to(device)
         self.pipeline = pipeline
         return pipeline
