@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from accelexp.keys import key, like, option_name
+from accelexp.keys import Affects, key, like, option_name
 
 
 @dataclass
@@ -27,7 +27,9 @@ class ParallelismConfig:
         "linear", "lr scaling with the world size", choices=("linear", "sqrt", "none")
     )
     accumulate_steps: int = key(1, "micro-batches per optimizer step")
-    oversubscribe: bool = key(False, "more CPU workers than usable cores (else refused)")
+    oversubscribe: bool = key(
+        False, "more CPU workers than usable cores (else refused)", affects=Affects.SPEED
+    )
 
 
 @dataclass
