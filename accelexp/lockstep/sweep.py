@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 # stopped at 3 processes whose means agreed by chance, excluding 1.00: docs/statistics.md)
 MIN_REPEATS_FOR_TARGET = 5
 NO_RATIO = "no ratio to measure"
+SET_ASIDE = "runs set aside: other work shared the machine while they were timed"
 
 
 @dataclass
@@ -239,7 +240,7 @@ class Repeats:
     def precision(self, repeats: int) -> Sampled:
         """The widest relative half-width of the sweep's ratios, as the report computes them
         against the sweep's first configuration (`compare.sweep_baseline`)."""
-        from accelexp.report.compare import compare, sweep_baseline
+        from accelexp.report.compare import compare, contention, sweep_baseline
         from accelexp.tracking.query import child_runs
 
         run_id = getattr(self.sweep, "run_id", None)
@@ -258,6 +259,8 @@ class Repeats:
             if relative > widest:
                 widest, worst = relative, row.run_name
         if widest < 0:
+            if any(contention(r) for r in records):  # more repeats may time them on a quiet machine
+                return Sampled(repeats, None, SET_ASIDE)
             return Sampled(repeats, None, NO_RATIO)
         return Sampled(repeats, widest, worst)
 
