@@ -18,8 +18,10 @@ activations, temporaries. As torchtitan's `scripts/estimate` does.
   Horovod's fusion buffer (`HOROVOD_FUSION_THRESHOLD`, 64 MiB) is outside PyTorch's allocator,
   in neither the forecast nor the measured peak. Stages (model, hybrid) are forecast on the
   devices the run would use: on a CPU they share it; on GPUs each stage's device has its line.
-  Not a pipeline across ranks (`parallelism=pipeline`): refused, with why
-  (`Placement.unforecast`).
+  A pipeline across ranks (`parallelism=pipeline`): a line per pipeline rank (each replica's
+  the same), its stages' state, the activations of the micro-batches its schedule holds at
+  once (its actions replayed in the order of torch's schedule, `RankStages.pipeline_plan`,
+  one micro-batch each) and its receive buffers.
 - **Not in the forecast**: `speed.compile` (its graphs and workspaces are compiled, not traced:
   the forecast runs eager), the allocator's cache and fragmentation on a GPU, the libraries'
   memory (CUDA context, about 0.5 GiB), and the data loader's batches in flight.
@@ -35,7 +37,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
@@ -55,6 +57,7 @@ KINDS = {  # MemTracker's kinds, as the forecast names them
     "temp": "temporaries",
     "buffer": "buffers",
     "sync": "the sync's own (DDP's gradient buckets)",
+    "recv": "receive buffers",
 }
 UNTRACED = "sync"  # what the sync holds that fake tensors cannot follow (Sync.untraced_bytes)
 
@@ -66,6 +69,8 @@ class Forecast:
     batch: int  # per worker
     world_size: int  # workers
     peaks: dict[str, dict[str, float]]  # device -> {STEP_PEAK_MB or step_peak_<kind>_mb: MiB}
+    notes: dict[str, str] = field(default_factory=dict)  # device -> what its line adds
+    caveat: str = ""  # what the whole forecast leaves out or bounds
 
     @property
     def peak_mb(self) -> float:
@@ -111,10 +116,11 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
     if strategy.placement.unforecast:
         raise ConfigError(f"estimate=true: {strategy.placement.unforecast}")
     sync, shards = strategy.sync, strategy.sync.shards
-    if not shards:  # replicas: a worker holds what one process holds, and what its sync adds
-        strategy.sync = Sync(parts.parallelism)
+    per_rank = hasattr(strategy.placement, "pipeline_plan")  # a pipeline across ranks
+    if not shards and not per_rank:  # replicas: a worker holds what one process holds, and
+        strategy.sync = Sync(parts.parallelism)  # what its sync adds
     world_size = parts.parallelism.nprocs
-    world = fake_world(world_size) if shards else contextlib.nullcontext()
+    world = fake_world(world_size) if shards or per_rank else contextlib.nullcontext()
     with world:
         strategy.setup()
         try:
@@ -129,6 +135,8 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
             model = switches.prepare(model)
             with FakeTensorMode(allow_non_fake_inputs=True):
                 model = model.to_empty(device=strategy.device)
+                if per_rank:
+                    return _pipeline(strategy, model, batch, sample, shape.num_classes, parts)
                 model = strategy.wrap_model(model, input_shape=(batch, *sample))
                 optimizer = strategy.wrap_optimizer(
                     build_optimizer(
@@ -152,6 +160,68 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
         first[STEP_PEAK_MB] += extra
         first[step_peak_kind_mb(UNTRACED)] = extra
     return Forecast(batch, world_size, {str(device): p for device, p in peaks.items()})
+
+
+def _pipeline(strategy, model, batch: int, sample, num_classes: int, parts) -> Forecast:
+    """Each pipeline rank's peak (its stages' parameters, gradients and optimizer state, the
+    activations of the micro-batches its schedule holds at once, its receive buffers): the
+    rank's actions replayed in the schedule's order (`PipelinePlan.replay`) on fake tensors
+    under MemTracker, the second step of two; a rank of every replica holds the same."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from accelexp.diagnosis.max_batch import _in_mb
+    from accelexp.optim import build_optimizer
+    from accelexp.speed import SpeedSwitches
+
+    placement, device, precision = strategy.placement, strategy.device, strategy.precision
+    plan = placement.pipeline_plan(model)
+    micro = -(-batch // plan.microbatches)  # torch's chunks: the first are the largest
+    switches = SpeedSwitches.resolve(parts.speed, device, model)
+    images = torch.randn(micro, *sample, device=device)
+    images = images.contiguous(memory_format=switches.memory_format)
+    labels = torch.randint(num_classes, (micro,), device=device)
+    shapes = plan.input_shapes(images, precision)
+    peaks, notes = {}, {}
+    for rank in range(plan.ranks):
+        mine = torch.nn.ModuleList(plan.stages[k] for k in plan.mine(rank))
+        optimizer = build_optimizer(
+            parts.optimizer, mine.parameters(), parts.optimizer.lr,
+            **switches.optimizer_kwargs(),
+        )  # fmt: skip
+        buffers = plan.recv_buffers(rank, shapes)
+
+        def step() -> None:
+            plan.replay(rank, images, labels, precision, buffers)  # noqa: B023
+            placement.average_over_replicas(mine.parameters())  # noqa: B023
+            optimizer.step()  # noqa: B023
+            optimizer.zero_grad()  # noqa: B023
+
+        step()  # the optimizer's state, as in every step after the first
+        tracker = MemTracker()
+        tracker.track_external(mine, optimizer)
+        with tracker:
+            step()
+        found = _in_mb(tracker.get_tracker_snapshot("peak")[device])
+        received = sum(b.numel() * b.element_size() for b in buffers.values()) / 2**20
+        found[STEP_PEAK_MB] += received
+        found[step_peak_kind_mb("recv")] = received
+        stages = ", ".join(str(k) for k in plan.mine(rank))
+        line = f"pipeline rank {rank} (stage {stages}, {device})"
+        peaks[line] = found
+        mine_count = len(plan.mine(rank))
+        notes[line] = (
+            f"{plan.in_flight(rank)} of {mine_count * plan.microbatches} "
+            f"{'stage micro-batches' if mine_count > 1 else 'micro-batches'} of {micro} in flight"
+        )
+    caveat = (
+        ""
+        if plan.derived
+        else "an upper bound: this torch's schedule does not say its "
+        "order, so every micro-batch is counted in flight"
+    )
+    if any(kind in ("I", "W") for order in plan.orders.values() for kind, _, _ in order):
+        caveat = "an upper bound: a micro-batch's activations are counted until its W"
+    return Forecast(batch, parts.parallelism.nprocs, peaks, notes, caveat)
 
 
 def largest_batch(cfg: DictConfig, memory_mb: float, first: Forecast) -> tuple[int, Forecast]:
@@ -192,7 +262,10 @@ def report(cfg: DictConfig) -> str:
             for kind, name in KINDS.items()
             if peaks.get(step_peak_kind_mb(kind), 0) >= 0.05
         ]
-        lines.append(f"  {device}: peak {peaks[STEP_PEAK_MB]:.1f} = " + " + ".join(parts))
+        note = f"; {found.notes[device]}" if device in found.notes else ""
+        lines.append(f"  {device}: peak {peaks[STEP_PEAK_MB]:.1f} = " + " + ".join(parts) + note)
+    if found.caveat:
+        lines.append(f"  The forecast is {found.caveat}.")
     memory_gb = cfg.max_batch.device_mem_gb
     if memory_gb is None and torch.cuda.is_available() and cfg.device != "cpu":
         memory_gb = torch.cuda.get_device_properties(0).total_memory / 2**30

@@ -253,18 +253,154 @@ def _on_cpu(value):
     return value
 
 
+# an action of a schedule on one rank: (F, B, I or W, stage, micro-batch)
+Action = tuple[str, int, int]
+
+
+def _held_orders(schedule) -> dict[int, list[Action]] | None:
+    """The compute actions of each pipeline rank, in order, from torch's schedule
+    (`pipeline_order`, which multi-stage schedules have, and single-stage ones in recent torch);
+    None when this torch's schedule does not say."""
+    order = getattr(schedule, "pipeline_order", None)
+    if not order:
+        return None
+    orders: dict[int, list[Action]] = {}
+    for rank, actions in order.items():
+        kept = []
+        for action in actions:
+            kind = getattr(getattr(action, "computation_type", None), "value", None)
+            if kind in ("F", "B", "I", "W"):
+                kept.append((kind, action.stage_index, action.microbatch_index))
+        orders[rank] = kept
+    return orders
+
+
+def in_flight(actions: Sequence[Action]) -> int:
+    """The most micro-batches whose activations one rank holds at once: forwards run and not yet
+    backward (a full backward B, or the weights' W of a split one, frees them)."""
+    held = most = 0
+    for kind, _, _ in actions:
+        if kind == "F":
+            held += 1
+            most = max(most, held)
+        elif kind in ("B", "W"):
+            held -= 1
+    return most
+
+
+class _Once(nn.Module):
+    """A stage called through a module of its own each time: MemTracker (the forecast's) takes
+    a root module called twice for the next step, and refuses it."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.stage(h)
+
+
+class PipelinePlan:
+    """What the memory forecast (`accelexp.forecast`) needs of a pipeline across ranks: every
+    stage of the cut, which pipeline rank holds it, and each rank's actions in the schedule's
+    order (`orders`; `derived`: read from torch's schedule, else GPipe's order, all
+    micro-batches in flight, an upper bound). `replay` runs one rank's actions in this process
+    without any communication: what that rank computes and keeps, the sends and receives aside
+    (their persistent buffers are `recv_bytes`)."""
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        ranks: int,
+        microbatches: int,
+        orders: dict[int, list[Action]],
+        derived: bool,
+    ) -> None:
+        self.stages = list(stages)
+        self.ranks = ranks
+        self.microbatches = microbatches
+        self.orders = orders
+        self.derived = derived
+
+    def mine(self, rank: int) -> list[int]:
+        return [k for k in range(len(self.stages)) if k % self.ranks == rank]
+
+    def in_flight(self, rank: int) -> int:
+        return in_flight(self.orders[rank])
+
+    def input_shapes(self, images: torch.Tensor, precision) -> list[torch.Size]:
+        """Each stage's input shape for one micro-batch `images` (and the last stage's output
+        shape at the end)."""
+        shapes = []
+        with torch.no_grad(), precision.autocast():
+            h = precision.cast_inputs(images)
+            for stage in self.stages:
+                shapes.append((h.shape, h.dtype))
+                h = stage(h)
+            shapes.append((h.shape, h.dtype))
+        return shapes
+
+    def recv_buffers(self, rank: int, shapes: list) -> dict[tuple[str, int, int], torch.Tensor]:
+        """The receive buffers a rank's `PipelineStage`s keep through every step, one per
+        micro-batch: an input for each stage but the first ("in"), a gradient of its output for
+        each stage but the last ("grad"); torch allocates them at the schedule's first step."""
+        buffers = {}
+        last = len(self.stages) - 1
+        device = next(iter(self.stages[0].parameters())).device
+        for k in self.mine(rank):
+            for what, (shape, dtype) in [("in", shapes[k])] * (k > 0) + [
+                ("grad", shapes[k + 1])
+            ] * (k < last):
+                for mb in range(self.microbatches):
+                    buffers[(what, k, mb)] = torch.empty(shape, dtype=dtype, device=device)
+        return buffers
+
+    def replay(
+        self,
+        rank: int,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        precision,
+        buffers: dict[tuple[str, int, int], torch.Tensor],
+    ) -> None:
+        """One step's forward and backward passes of `rank`'s stages in the schedule's order,
+        every micro-batch like `images` (one micro-batch), a stage's input and its output's
+        gradient read from its receive `buffers` (`recv_buffers`), the loss as the
+        placement's (`_loss`, the micro-batches' mean), and the last stage's logits kept to the
+        step's end as the schedule keeps them."""
+        last = len(self.stages) - 1
+        held: dict[int, list[tuple]] = {k: [] for k in self.mine(rank)}  # in forward order
+        logits = []
+        for kind, k, mb in self.orders[rank]:
+            if kind == "F":
+                x = None
+                if k == 0:
+                    h = precision.cast_inputs(images)
+                else:
+                    h = x = buffers[("in", k, mb % self.microbatches)].detach().requires_grad_()
+                call = _Once(self.stages[k])
+                with precision.autocast():
+                    out = call(h)
+                    if k == last:
+                        logits.append(out.detach())
+                        out = _loss(out, labels) / self.microbatches
+                held[k].append((out, x, call, mb))
+            elif kind in ("B", "W"):
+                # the stage's oldest (torch's 1F1B order numbers the micro-batches of ranks
+                # but the first one ahead: the count is what holds memory)
+                out, x, call, mb = held[k].pop(0)
+                grad = None if k == last else buffers[("grad", k, mb % self.microbatches)]
+                out.backward(grad)
+                del out, x, call  # its input's gradient is sent, and dropped
+            # I (a split backward's input gradients): the activations stay held until W
+
+
 class RankStages(Placement):
     """This rank's stages of one pipeline over the world's ranks, run by a schedule."""
 
     cfg: PipelineConfig
     name = "stages per rank"
     replicated_as = "pipeline"
-    unforecast = (
-        "parallelism=pipeline is not modelled: the forecast runs one process, and a pipeline's "
-        "stages and the micro-batches its schedule keeps in flight live on several ranks. "
-        "Forecast parallelism=model with the same parallelism.stages for each stage's weights, "
-        "or measure: each rank's peak is logged as stage{r}_peak_mem_mb."
-    )
     pipeline: RankPipeline | None = None  # set by place()
 
     def __init__(self, cfg: PipelineConfig, device_request: str = "auto") -> None:
@@ -382,6 +518,40 @@ class RankStages(Placement):
                 f"{self.cfg.microbatches} over {self.shape.ranks_per_replica} ranks: {error}"
             ) from error
 
+    # --- what the memory forecast needs ---------------------------------------------------------
+    def pipeline_plan(self, model: nn.Module) -> PipelinePlan:
+        """`model` (the whole, on the forecast's fake tensors) cut as `place` cuts it, and each
+        pipeline rank's actions in the order of torch's schedule (built in this process's
+        world, the forecast's fake one, on stand-in stages: only its order is read)."""
+        from torch.distributed.pipelining import PipelineStage
+
+        ranks, count = self.shape.ranks_per_replica, self.shape.ranks_per_replica * self.per_rank
+        parts, _ = split_layers(model, count)
+        micro = self.cfg.microbatches
+        stand_ins = [
+            PipelineStage(nn.Identity(), k, count, self.devices[0], group=self.pp_group)
+            for k in range(count)
+            if k % ranks == self.shape.stage
+        ]
+        try:
+            schedule = self.schedule_class(
+                stand_ins if self.per_rank > 1 else stand_ins[0], micro, loss_fn=_loss
+            )
+        except (ValueError, AssertionError) as error:
+            raise ConfigError(
+                f"parallelism.schedule={self.cfg.schedule} with parallelism.microbatches="
+                f"{micro} over {ranks} ranks: {error}"
+            ) from error
+        orders = _held_orders(schedule)
+        if orders is not None:
+            return PipelinePlan(parts, ranks, micro, orders, derived=True)
+        gpipe = {  # all of a rank's forwards, then all its backwards: the most held
+            r: [("F", k, mb) for k in range(r, count, ranks) for mb in range(micro)]
+            + [("B", k, mb) for k in reversed(range(r, count, ranks)) for mb in range(micro)]
+            for r in range(ranks)
+        }
+        return PipelinePlan(parts, ranks, micro, gpipe, derived=False)
+
     # --- the step ------------------------------------------------------------------------------
     def forward_backward(
         self,
@@ -416,18 +586,18 @@ class RankStages(Placement):
             loss = torch.stack([loss.detach() for loss in losses]).mean()
             figures = torch.cat([loss.view(1), logits.detach().float().flatten()])
         figures = pipeline.share(figures)
-        self._average_over_replicas()
+        self.average_over_replicas(self.pipeline.parameters())
         clock.mark(BACKWARD)
         return figures[0], figures[1:].view(len(labels), -1)
 
-    def _average_over_replicas(self) -> None:
+    def average_over_replicas(self, parameters) -> None:
         """Data parallelism over the mesh's dp dimension: each of this rank's gradients
         averaged with those of the ranks holding the same stages (the other pipelines), in one
         flat allreduce once the schedule's step has made them all (DDP's average, not
         overlapped with the backward pass)."""
         if self.dp_group is None:
             return
-        grads = [p.grad for p in self.pipeline.parameters() if p.grad is not None]
+        grads = [p.grad for p in parameters if p.grad is not None]
         if not grads:
             return
         flat = torch._utils._flatten_dense_tensors(grads)
