@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from accelexp.tracking import credentials
-from accelexp.tracking.store import TrackingUnavailableError, first_line, writing
+from accelexp.tracking.store import TrackingUnavailableError, error_chain, first_line, writing
 
 log = logging.getLogger(__name__)
 
@@ -80,20 +80,13 @@ def server_gone(error: BaseException) -> bool:
     """Whether `error` says the server did not answer (rather than refused the request): a
     connection refused or reset, a timeout, a 5xx, anywhere in its chain (MLflow wraps the
     requests error in an `MlflowException` of its text)."""
-    seen: set[int] = set()
-    chain: list[BaseException | None] = [error]
-    while chain:
-        link = chain.pop()
-        if link is None or id(link) in seen:
-            continue
-        seen.add(id(link))
+    for link in error_chain(error):
         name = type(link).__name__
         if name in ("ConnectionError", "ConnectTimeout", "ReadTimeout", "RetryError"):
             return True
         text = str(link)
         if any(t in text for t in GONE_TEXTS) or any(t in text for t in TRANSIENT_HTTP):
             return True
-        chain += [link.__cause__, link.__context__]
     return False
 
 

@@ -47,9 +47,9 @@ class StoreFullError(TrackingUnavailableError):
 FULL_DISK_TEXTS = ("database or disk is full", "No space left on device")
 
 
-def disk_full(error: BaseException) -> bool:
-    """Whether a full disk is what `error` comes from: ENOSPC, or SQLite's "database or disk is
-    full", anywhere in its chain (SQLAlchemy keeps the driver's error as `orig`)."""
+def error_chain(error: BaseException) -> Iterator[BaseException]:
+    """`error` and each error behind it, once: its cause, its context, and the driver's error
+    SQLAlchemy keeps as `orig` (MLflow and SQLAlchemy wrap what went wrong)."""
     seen: set[int] = set()
     chain: list[BaseException | None] = [error]
     while chain:
@@ -57,12 +57,18 @@ def disk_full(error: BaseException) -> bool:
         if link is None or id(link) in seen:
             continue
         seen.add(id(link))
-        if isinstance(link, OSError) and link.errno == errno.ENOSPC:
-            return True
-        if any(text in str(link) for text in FULL_DISK_TEXTS):
-            return True
+        yield link
         chain += [link.__cause__, link.__context__, getattr(link, "orig", None)]
-    return False
+
+
+def disk_full(error: BaseException) -> bool:
+    """Whether a full disk is what `error` comes from: ENOSPC, or SQLite's "database or disk is
+    full", anywhere in its chain."""
+    return any(
+        (isinstance(link, OSError) and link.errno == errno.ENOSPC)
+        or any(text in str(link) for text in FULL_DISK_TEXTS)
+        for link in error_chain(error)
+    )
 
 
 def full_store_message(uri: str, run_id: str | None = None) -> str:
