@@ -212,8 +212,7 @@ def load(path: Path) -> dict[str, Any]:
                 state["shards"]["path"] = str(path.parent / state["shards"]["folder"])
             return state
         except Exception as error:  # miniz, unpickling, EOF: torch.load's many ways to say it
-            said = (str(error).splitlines() or [type(error).__name__])[0]
-            problem = f"torch.load cannot read it ({said[:200]})"
+            problem = f"torch.load cannot read it ({_said(error, 200)})"
     good = last_good(path)
     then = (
         f"The last good one is {good}: continue from it with resume={good}, or start afresh "
@@ -295,6 +294,11 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _said(error: BaseException, most: int = 300) -> str:
+    """An error's first line (its type's name when it has none), at most `most` characters."""
+    return (str(error).splitlines() or [type(error).__name__])[0][:most]
+
+
 # --- sharded training states (torch.distributed.checkpoint) ----------------------------------
 class Collectives(Protocol):
     """What `save_shards` asks of the world (a strategy's `sync`)."""
@@ -332,7 +336,7 @@ def save_shards(
             seen = sorted(f.name for f in folder.iterdir())
         except (OSError, CheckpointException) as failed:  # DCP: every rank's, on every rank
             error = failed
-    said = (str(error).splitlines() or [type(error).__name__])[0][:300] if error else None
+    said = _said(error) if error else None
     # every rank learns of any rank's failure, and each stops with it rather than wait for it
     views, failures = zip(*world.gather_object((seen, said)), strict=True)
     if any(failures):
@@ -366,7 +370,7 @@ def read_shards(folder: Path, state: dict[str, Any]) -> None:
     try:
         dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
     except (OSError, CheckpointException) as error:
-        said = (str(error).splitlines() or [type(error).__name__])[0][:300]
+        said = _said(error)
         raise CheckpointError(
             f"The checkpoint's shards in {folder} cannot be read here: {said}. Every rank reads "
             f"them: the run folder must be on a filesystem all ranks share. Start afresh without "

@@ -113,10 +113,8 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
     if shape is None:
         raise ConfigError(f"data.name={cfg.data.name}: no known image shape to forecast with")
     strategy = build_strategy(parts)
-    if strategy.placement.unforecast:
-        raise ConfigError(f"estimate=true: {strategy.placement.unforecast}")
     sync, shards = strategy.sync, strategy.sync.shards
-    per_rank = hasattr(strategy.placement, "pipeline_plan")  # a pipeline across ranks
+    per_rank = strategy.placement.stages_across_ranks
     if not shards and not per_rank:  # replicas: a worker holds what one process holds, and
         strategy.sync = Sync(parts.parallelism)  # what its sync adds
     world_size = parts.parallelism.nprocs
@@ -169,7 +167,7 @@ def _pipeline(strategy, model, batch: int, sample, num_classes: int, parts) -> F
     under MemTracker, the second step of two; a rank of every replica holds the same."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from accelexp.diagnosis.max_batch import _in_mb
+    from accelexp.diagnosis.max_batch import in_mb
     from accelexp.optim import build_optimizer
     from accelexp.speed import SpeedSwitches
 
@@ -201,7 +199,7 @@ def _pipeline(strategy, model, batch: int, sample, num_classes: int, parts) -> F
         tracker.track_external(mine, optimizer)
         with tracker:
             step()
-        found = _in_mb(tracker.get_tracker_snapshot("peak")[device])
+        found = in_mb(tracker.get_tracker_snapshot("peak")[device])
         received = sum(b.numel() * b.element_size() for b in buffers.values()) / 2**20
         found[STEP_PEAK_MB] += received
         found[step_peak_kind_mb("recv")] = received

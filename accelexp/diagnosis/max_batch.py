@@ -142,11 +142,12 @@ def step_memory(trial: Trial, batch: int, per_device: bool = False):
         trial.step(batch)
     trial.optimizer.zero_grad()
     snapshot = tracker.get_tracker_snapshot("peak")
-    by_device = {device: _in_mb(peaks) for device, peaks in snapshot.items()}
+    by_device = {device: in_mb(peaks) for device, peaks in snapshot.items()}
     return by_device if per_device else by_device[trial.strategy.device]
 
 
-def _in_mb(peaks: dict) -> dict[str, float]:
+def in_mb(peaks: dict) -> dict[str, float]:
+    """MemTracker's peaks of one device (bytes by kind) as the record's metrics, in MiB."""
     metrics = {STEP_PEAK_MB: peaks["Total"] / 2**20}
     for kind, size in peaks.items():
         if kind != "Total":

@@ -73,12 +73,15 @@ class Preset(NamedTuple):
     `config.py`, which Hydra checks the option against), and, for a preset whose sync shards the
     training state (parameters, gradients, optimizer state) over its workers, the preset that
     replicates it on each instead, otherwise alike (`unsharded`: the memory report weighs the
-    one against the other)."""
+    one against the other), and for one whose ranks hold different parts of one replica, why
+    rank 0's state and step peak are no figure of the replica's fullest device (`per_rank`: the
+    memory report says it instead of comparing them)."""
 
     placement: str
     syncs: tuple[str, ...]
     schema: type
     unsharded: str | None = None
+    per_rank: str | None = None
 
     @property
     def shards(self) -> bool:
@@ -95,7 +98,13 @@ STRATEGIES: dict[str, Preset] = {
     "fsdp": Preset("one device", ("fsdp",), FSDPConfig, unsharded="ddp"),
     "model": Preset("stages", ("none",), ModelParallelConfig),
     "hybrid": Preset("stages", ("ddp", "horovod"), HybridConfig),
-    "pipeline": Preset("stages per rank", ("p2p",), PipelineConfig),
+    "pipeline": Preset(
+        "stages per rank",
+        ("p2p",),
+        PipelineConfig,
+        per_rank="state and step peak not compared: a pipeline's ranks hold different stages and "
+        "rank 0 logs its own only (stage<r>_peak_mem_mb: each rank's peak)",
+    ),
 }
 # a preset and the one it shards the training state of are otherwise alike: same placement
 assert all(

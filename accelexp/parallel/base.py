@@ -107,8 +107,9 @@ class Placement:
     """Where one replica's layers live; this base: all of them on one device."""
 
     name = "one device"
-    # why the memory forecast (`accelexp.forecast`, one process) cannot model this placement
-    unforecast: str | None = None
+    # a pipeline whose stages are spread over the ranks: the memory forecast (`accelexp.forecast`)
+    # models each rank from its `pipeline_plan`, not one process's replica
+    stages_across_ranks = False
     # the preset whose synced replicas of this placement put more devices to work (the
     # scale-out advice to a run of one process)
     replicated_as = "ddp"

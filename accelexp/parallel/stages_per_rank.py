@@ -401,6 +401,7 @@ class RankStages(Placement):
     cfg: PipelineConfig
     name = "stages per rank"
     replicated_as = "pipeline"
+    stages_across_ranks = True
     pipeline: RankPipeline | None = None  # set by place()
 
     def __init__(self, cfg: PipelineConfig, device_request: str = "auto") -> None:

@@ -14,7 +14,7 @@ what the process's RSS cannot show, since about a GiB of it is the libraries) an
 per-worker batch that fit (`max_batch`, searched on a GPU with `max_batch.search=true`). A figure
 left blank has its reason in `note`.
 
-A pipeline across ranks (`parallelism=pipeline`, placement `stages per rank`: `PER_RANK_STATE`)
+A pipeline across ranks (`parallelism=pipeline`: its preset's `per_rank`)
 is in the table with its speed and its peak (`peak_mem_mb`: the fullest rank's), but not its
 state or step peak per device: each rank holds other stages, and rank 0 logs its own only, so
 `state_mem_mb` is not the fullest device's (`stage<r>_peak_mem_mb` gives each rank's peak). It
@@ -88,14 +88,6 @@ LEVERS_CSV = "memory_levers.csv"
 LEVERS_HEADING = "## Memory saved against speed lost, per lever"
 NOTE_SEPARATOR = "; "  # between the reasons of a row's note
 NOT_SEARCHED = "max batch not searched (max_batch.search=false)"
-# placements whose ranks hold different parts of one replica, of which rank 0 logs its own part
-# only: their state and step peak are no per-device figure of the replica's fullest device
-PER_RANK_STATE = {
-    "stages per rank": (
-        "state and step peak not compared: a pipeline's ranks hold different stages and rank 0 "
-        "logs its own only (stage<r>_peak_mem_mb: each rank's peak)"
-    ),
-}
 PANEL_SIZE = (5.2, 4.6)  # inches, one model's panel
 # rows and legend entries in this order: whole replicas, sharded, then split models
 
@@ -226,7 +218,7 @@ def memory_row(record: RunRecord) -> MemoryRow:
         notes.append(f"no {PEAK_MEM_MB} logged")
     state = record.metrics.get(STATE_MEM_MB)  # what one worker holds, over all its devices
     preset = STRATEGIES.get(row.parallelism)
-    partial = PER_RANK_STATE.get(preset.placement) if preset else None
+    partial = preset.per_rank if preset else None
     if partial:
         notes.append(partial)
     elif state is None:
