@@ -67,7 +67,10 @@ LAST, BEST, PREVIOUS = "last.pt", "best.pt", "previous.pt"
 SHARDS = "state-"  # the folders of sharded training states: state-e0002-<hex>
 # what may change on resuming a sharded checkpoint at another `parallelism.nprocs`: the world's
 # size, and how its global batch is split (keep it: data.batch_size x nprocs x accumulate_steps)
-WORLD_KEYS = ("parallelism.nprocs", "data.batch_size", "parallelism.accumulate_steps")
+# the world's shape (workers; ranks per pipeline, the rest its replicas), and how a global
+# batch is split over it: a sharded checkpoint resumes on another shape (DCP reshards it)
+WORLD_SHAPE = ("parallelism.nprocs", "parallelism.pp")
+WORLD_KEYS = (*WORLD_SHAPE, "data.batch_size", "parallelism.accumulate_steps")
 # restarts of one job: torchrun's restarts of its workers, Slurm's requeues of a job
 # and a lockstep job's fresh process after its epochs (accelexp.lockstep.gate.INCARNATION_ENV)
 RESTART_ENV = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", "ACCELEXP_INCARNATION")
@@ -560,12 +563,13 @@ def check_same_training(
     saved: Mapping[str, Any], current: Mapping[str, Any], path: Path, sharded: bool = False
 ) -> None:
     """A checkpoint continues only the run it came from: refuse one of another config. A
-    `sharded` one (DCP reshards it) may continue on another `parallelism.nprocs`, and then with
-    the global batch split otherwise (`WORLD_KEYS`)."""
+    `sharded` one (DCP reshards it) may continue on a world of another shape
+    (`parallelism.nprocs`, a pipeline's `parallelism.pp`), and then with the global batch split
+    otherwise (`WORLD_KEYS`)."""
     before = flatten(training_config(saved), empty=False)
     now = flatten(training_config(current), empty=False)
     differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
-    if sharded and WORLD_KEYS[0] in differ:
+    if sharded and any(k in differ for k in WORLD_SHAPE):
         moved = [k for k in differ if k in WORLD_KEYS]
         log.info(
             "Resuming on another world: %s",

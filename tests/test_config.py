@@ -233,6 +233,23 @@ def test_a_resumed_run_may_differ_in_what_cannot_change_its_numbers(compose_cfg,
     assert config_id(resolved(compose_cfg("seed=7"))) == config_id(base)
 
 
+def test_a_sharded_checkpoint_resumes_on_a_world_of_another_shape_only(compose_cfg, tmp_path):
+    """DCP reshards: 4 workers in 2 pipelines may go on as one pipeline of 4 (`pp`), or on 2
+    workers with the global batch split otherwise; a gathered checkpoint may not, and a batch
+    split otherwise on the same world is another training."""
+    pipelines = ("parallelism=pipeline", "parallelism.nprocs=4", "data.batch_size=16")
+    saved = resolved(compose_cfg(*pipelines, "parallelism.pp=2"))
+    last = tmp_path / "last.pt"
+    for world in (("parallelism.pp=4", "data.batch_size=32"), ("parallelism.nprocs=2",)):
+        moved = resolved(compose_cfg(*pipelines, *world))
+        check_same_training(saved, moved, last, sharded=True)
+        with pytest.raises(ConfigError, match="another configuration"):
+            check_same_training(saved, moved, last)
+    resplit = resolved(compose_cfg(*pipelines, "parallelism.pp=2", "data.batch_size=8"))
+    with pytest.raises(ConfigError, match=r"data\.batch_size: 16 -> 8"):
+        check_same_training(saved, resplit, last, sharded=True)
+
+
 def test_the_report_compares_runs_in_what_can_change_their_speed_only():
     """Like for like: a key that affects results only (or nothing) is not compared; one that
     affects speed only is, as is one that affects both."""
