@@ -26,6 +26,7 @@ from conftest import TINY_DATA, _answers, built_once, new_store, output_of, run_
 from mlflow import MlflowClient
 
 from accelexp.parallel.world import free_port
+from accelexp.tracking.outage import UNSENT
 
 REPO = Path(__file__).resolve().parents[1]
 EPOCHS = 10  # ~0.2 s each: the outage spans most of them
@@ -111,6 +112,11 @@ def outage_runs(folder: Path, template: Path) -> dict:
         budget = f"mlflow.outage_budget_s={TOO_LONG_BUDGET_S}"
         too_long = run_here(None, *tiny_run(url, budget), tmp_path=folder / "too_long")
         watcher.join(timeout=600)
+        unsent = (folder / "too_long" / "job" / "checkpoints" / UNSENT).is_file()
+        servers.append(start_server(store, folder, port))  # back: the run is resumed
+        resumed = run_here(
+            None, *tiny_run(url, budget, "resume=auto"), tmp_path=folder / "too_long"
+        )
     finally:
         for server in servers:
             kill(server)
@@ -119,6 +125,8 @@ def outage_runs(folder: Path, template: Path) -> dict:
         "within": [within.returncode, output_of(within)],
         "outage_s": times[1] - times[0],
         "too_long": [too_long.returncode, output_of(too_long)],
+        "unsent_kept": unsent,
+        "resumed": [resumed.returncode, output_of(resumed)],
     }
 
 
@@ -188,10 +196,22 @@ def test_a_server_gone_past_the_budget_stops_the_run_with_one_message_and_its_ch
     )
     assert "Traceback" not in said and "Retrying" not in said, said
     assert last.is_file()
-    run = runs_by_folder(built["store"])["too_long"]
-    assert run.info.status == "RUNNING"  # until the next command on this host (test_stale_runs)
     # what resume=auto takes (`Tracker.unfinished_run_folders`: not FINISHED, its folder named)
+    run = runs_by_folder(built["store"])["too_long"]
     assert run.data.tags["output_dir"] == str(last.parents[1])
+    # the epochs trained while the server was gone kept their writes beside the checkpoint ...
+    assert built["unsent_kept"] and f"kept in {last.parent / UNSENT}" in errors[0]
+    # ... which the run's resume, the server back, sent first: every epoch's point, in order
+    code, said = built["resumed"]
+    assert code == 0, said
+    assert run.info.status == "FINISHED", "resumed to its end"
+    with sqlite3.connect(built["store"].removeprefix("sqlite:///")) as db:
+        steps = [s for (s,) in db.execute(
+            "SELECT step FROM metrics WHERE run_uuid = ? AND key = 'train_loss' ORDER BY rowid",
+            (run.info.run_id,),
+        )]  # fmt: skip
+    assert steps == list(range(1, EPOCHS + 1))
+    assert not (last.parent / UNSENT).exists()
 
 
 def test_a_negative_outage_budget_is_refused(compose_cfg):

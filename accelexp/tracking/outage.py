@@ -11,8 +11,10 @@ waits on the returned `RunOperations`. So accelexp keeps its own queue:
 - `Outage`: a call that finds the server gone (refused, reset, timed out, a 5xx) is tried again,
   quietly, until the server answers or `mlflow.outage_budget_s` has passed since it went: one
   warning when it goes, one when it is back, nothing lost. Past the budget, the next call of the
-  run raises one `ServerGoneError` naming the server and what to do. MLflow's own urllib3
-  retries are off in such a process (`quiet_retries`): the budget is the one policy.
+  run raises one `ServerGoneError` naming the server and what to do, and the writes the server
+  did not take are kept in the job's folder (`UNSENT`): the run's resume sends them first, so
+  the epochs trained during the outage keep their figures. MLflow's own urllib3 retries are off
+  in such a process (`quiet_retries`): the budget is the one policy.
 
 Only a tracking server (`http(s)://`) is written this way: a SQLite store is a local file,
 written in the loop's thread as before.
@@ -21,11 +23,14 @@ written in the loop's thread as before.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from accelexp.tracking import credentials
@@ -49,6 +54,7 @@ GONE_TEXTS = (
     "timeout exception",
 )
 
+UNSENT = "mlflow_unsent.pkl"  # in the job's folder: the writes a server gone too long did not take
 T = TypeVar("T")
 
 
@@ -172,14 +178,54 @@ def cause(error: BaseException) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
+def _as_data(write: Callable[[], Any]) -> tuple[str, tuple, dict] | None:
+    """A write (`partial` of a client's method) as (method name, arguments) to keep in a file;
+    None for one that is not such a call."""
+    method = getattr(write, "func", None)
+    bound = getattr(method, "__wrapped__", method)  # RetryingClient's wraps the client's
+    if not isinstance(write, functools.partial) or not hasattr(bound, "__self__"):
+        return None
+    return method.__name__, write.args, write.keywords
+
+
+def keep_unsent(path: Path, writes: list[tuple[str, Callable[[], Any]]]) -> int:
+    """`writes` (what, write) into `path` (those already there first), for `take_unsent`; the
+    number kept."""
+    kept = [(what, data) for what, write in writes if (data := _as_data(write)) is not None]
+    if not kept:
+        return 0
+    earlier = pickle.loads(path.read_bytes()) if path.is_file() else []
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial_path = path.with_suffix(".partial")
+    partial_path.write_bytes(pickle.dumps(earlier + kept))
+    partial_path.replace(path)
+    return len(kept)
+
+
+def take_unsent(path: Path, client: Any) -> list[tuple[str, Callable[[], Any]]]:
+    """The writes `keep_unsent` kept in `path`, as calls of `client`'s methods, in order; the
+    file goes (a writer that cannot send them either keeps them again)."""
+    if not path.is_file():
+        return []
+    kept = pickle.loads(path.read_bytes())
+    path.unlink()
+    return [
+        (what, functools.partial(getattr(client, name), *args, **kwargs))
+        for what, (name, args, kwargs) in kept
+    ]
+
+
 class Writer:
     """A run's writes, sent in order by one thread through `outage` while training goes on.
 
     `put` hands a write over (or raises the failure that stopped the writer: the run stops at its
-    next write, between epochs); `flush` waits until all are sent (the run's end)."""
+    next write, between epochs); `flush` waits until all are sent (the run's end). Writes the
+    server did not take before the budget ran out are kept in `unsent` (`keep_unsent`)."""
 
-    def __init__(self, outage: Outage, run_id: str | None = None) -> None:
-        self.outage, self.run_id = outage, run_id
+    def __init__(
+        self, outage: Outage, run_id: str | None = None, unsent: Path | None = None
+    ) -> None:
+        self.outage, self.run_id, self.unsent = outage, run_id, unsent
         self.failure: BaseException | None = None
         self._queue: collections.deque[tuple[str, Callable[[], Any]]] = collections.deque()
         self._changed = threading.Condition()
@@ -232,10 +278,30 @@ class Writer:
                     self.outage.call(write)
             except BaseException as error:  # the run stops at its next write
                 with self._changed:
-                    self.failure = error
+                    self.failure = self._kept(error)
                     self._queue.clear()
                     self._changed.notify_all()
                 return
             with self._changed:
                 self._queue.popleft()
                 self._changed.notify_all()
+
+    def _kept(self, error: BaseException) -> BaseException:
+        """`error`, once the writes still queued (the one that failed first) are kept in
+        `unsent` for the run's resume: said in its message."""
+        if self.unsent is None or not isinstance(error, ServerGoneError):
+            return error
+        try:
+            kept = keep_unsent(self.unsent, list(self._queue))
+        except OSError as failure:
+            log.warning("Could not keep the run's unsent writes in %s: %s", self.unsent, failure)
+            return error
+        if not kept:
+            return error
+        said = (
+            f"{error} The {kept} write(s) it did not take (metrics of the epochs trained "
+            f"meanwhile, tags, artifacts) are kept in {self.unsent}: resume=auto sends them first."
+        )
+        kept_error = ServerGoneError(said)
+        kept_error.__cause__ = error
+        return kept_error

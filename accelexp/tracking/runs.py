@@ -36,10 +36,12 @@ from accelexp.tracking import life, store
 from accelexp.tracking.names import tag_list, where_to_look
 from accelexp.tracking.outage import (
     KILLED_FLUSH_S,
+    UNSENT,
     Outage,
     ServerGoneError,
     Writer,
     outage_for,
+    take_unsent,
 )
 from accelexp.tracking.store import MAX_METRICS_PER_BATCH, MAX_PARAM_VALUE, MAX_PARAMS_PER_BATCH
 
@@ -89,7 +91,8 @@ class Tracker:
         from mlflow.entities import Param
 
         self.run_id = life.start_run(self._client, self.cfg, self.experiment_id, run_name, tags)
-        self._start_writer()
+        folder = tags.get(record.OUTPUT_DIR)
+        self._start_writer(Path(folder) / "checkpoints" if folder else None)
         items = [Param(k, str(v)[:MAX_PARAM_VALUE]) for k, v in params.items()]
         for i in range(0, len(items), MAX_PARAMS_PER_BATCH):
             batch = items[i : i + MAX_PARAMS_PER_BATCH]
@@ -102,14 +105,23 @@ class Tracker:
             )
             self._system_monitor.start()
 
-    def resume(self, run_id: str, epoch: int, output_dir: Path) -> None:
+    def resume(
+        self, run_id: str, epoch: int, output_dir: Path, checkpoints: Path | None = None
+    ) -> None:
         """Continue run `run_id` (RUNNING again, in this process: `life.resume_run`): its
-        metrics go on at the next epoch's step."""
+        metrics go on at the next epoch's step. Writes a server gone too long did not take,
+        kept beside its `checkpoints` (`outage.UNSENT`), are sent first, in their order."""
         if not self.enabled:
             return
         self.run_id = run_id
         life.resume_run(self._client, run_id)
-        self._start_writer()
+        self._start_writer(output_dir / "checkpoints")
+        if checkpoints is not None:
+            unsent = take_unsent(checkpoints / UNSENT, self._client)
+            for what, write in unsent:
+                self._write(what, write)
+            if unsent:
+                log.info("Sent the %d write(s) kept in %s first", len(unsent), checkpoints / UNSENT)
         self.set_tags(
             {record.RESUMED_AFTER_EPOCH: str(epoch), record.OUTPUT_DIR: str(output_dir.resolve())}
         )
@@ -307,9 +319,11 @@ class Tracker:
         return store.writing(self.cfg.tracking_uri, what, self.run_id)
 
     # --- writes: to a tracking server by a thread of their own, in order ---------------------
-    def _start_writer(self) -> None:
+    def _start_writer(self, checkpoints: Path | None) -> None:
+        """A tracking server's writer; what it cannot send is kept in `checkpoints`."""
         if self._outage is not None and self._writer is None:
-            self._writer = Writer(self._outage, self.run_id)
+            unsent = checkpoints / UNSENT if checkpoints is not None else None
+            self._writer = Writer(self._outage, self.run_id, unsent)
 
     def _write(self, what: str, write: Callable[[], Any]) -> None:
         """`write` (`what` names it in an error): handed to the writer's thread when the store

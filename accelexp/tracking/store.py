@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import threading
 import time
@@ -256,7 +257,7 @@ class RetryingClient:
                 return locked_retrying(*args, **kwargs)
             return self.outage.call(locked_retrying, *args, **kwargs)
 
-        return retrying
+        return functools.wraps(method)(retrying)  # the client's method by name (outage.UNSENT)
 
 
 def open_experiment(mlflow_cfg: DictConfig, outage: Any = None) -> tuple[RetryingClient, str]:
