@@ -285,7 +285,8 @@ def _run(
     if state is not None:
         progress = restore(state, strategy, model, optimizer, scheduler, generator)
         log.info("Resuming after epoch %d of %d from %s", progress.epoch, cfg.epochs, resume_from)
-        tracker.resume(state["run_id"], progress.epoch, output_dir, resume_from.parent)
+        kept = resume_from.parent if resume_from is not None else None  # rank 0's: the files
+        tracker.resume(state["run_id"], progress.epoch, output_dir, kept)
         if len(state["rng"]) != strategy.shape.world_size:  # resharded on another world
             tracker.set_tags({record.RESUMED_WORLD_SIZE: str(strategy.shape.world_size)})
     elif strategy.shape.is_main and checkpoint.restarted() and (output_dir / RUN_ID_FILE).is_file():
