@@ -153,13 +153,15 @@ def test_jobs_sharing_one_process_take_turns_and_train_as_they_would_alone(
     assert ratio(b, a).method.startswith("lockstep in one process"), ratio(b, a)
 
 
-@pytest.mark.alone  # slices a neighbour shared are set aside: no other test beside it
 def test_slices_in_seconds_give_a_job_of_slow_steps_fewer_steps_a_turn(
     tmp_path: Path, mlflow_template_db: Path
 ) -> None:
     """`lockstep.slice_s`: each job's slices are sized from its first timed slice, so a job
     whose batches arrive 100 ms late holds at most 3 steps a 0.3-s turn, one of plain tiny
-    steps more (the first turns hold `slice_steps`=1)."""
+    steps more (the first turns hold `slice_steps`=1). It reads only the jobs' own turns and
+    step ends, never a ratio: a neighbour slows both jobs' steps, and their slices are sized from
+    that (plain tiny steps would have to take over 85 ms each to fit 3 in 0.3 s), so it needs no
+    room to itself."""
     result, _ = sweep(tmp_path, mlflow_template_db, "debug.input_delay_ms=0,100",
                       "max_steps_per_epoch=30", "epochs=1", "lockstep.slice_s=0.3",
                       *TURN_OF_ONE_STEP)  # fmt: skip
