@@ -128,8 +128,10 @@ def _busy_elsewhere(seconds: float, token: str) -> None:
     time.sleep(0.3)  # its interpreter starts
 
 
-def _probe_matmuls(probe: ContentionProbe, seconds: float = 2.5) -> NoiseSample:
-    """The probe around `seconds` of matmuls on one torch thread, as an epoch's steps."""
+def _probe_matmuls(probe: ContentionProbe, seconds: float = 1.0) -> NoiseSample:
+    """The probe around `seconds` of matmuls on one torch thread, as an epoch's steps (a second:
+    5x `WINDOW_MIN_S`, CPU time counted to 1 % of a core, where quiet and hogged read 0.4 of a
+    core apart)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
