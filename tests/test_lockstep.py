@@ -201,18 +201,21 @@ def test_a_crashed_job_ends_alone_and_the_others_go_on(
 def test_a_job_that_holds_its_turn_too_long_is_stopped_as_hung(
     tmp_path: Path, mlflow_template_db: Path, process: str
 ) -> None:
-    """A step that takes 3 s in a turn allowed 1 s: that job is named and its run FAILED; a
-    process each, the other finishes alone; in one process, it stops with it."""
-    result, uri = sweep(tmp_path, mlflow_template_db, "debug.input_delay_ms=0,3000",
-                        "lockstep.turn_timeout_s=1", f"lockstep.process={process}",
+    """A step that takes 15 s in a turn allowed 5 s: that job is named and its run FAILED; a
+    process each, the other finishes alone; in one process, it stops with it. (5 s, not 1: the
+    healthy job's last turn, its test pass and logging, took over 1 s on a loaded machine.)"""
+    result, uri = sweep(tmp_path, mlflow_template_db, "debug.input_delay_ms=0,15000",
+                        "lockstep.turn_timeout_s=5", f"lockstep.process={process}",
                         "epochs=1", *TURN_OF_ONE_STEP)  # fmt: skip
     text = output_of(result)
     assert result.returncode == 1, text
-    assert "job 1 (debug.input_delay_ms=3000) stopped in round 0: it held its turn over 1 s" in text
+    assert (
+        "job 1 (debug.input_delay_ms=15000) stopped in round 0: it held its turn over 5 s" in text
+    )
     parent, children = runs_of(uri)
     statuses = {c.data.params["debug.input_delay_ms"]: c.info.status for c in children}
     alone = "FINISHED" if process == "own" else "FAILED"
-    assert statuses == {"0.0": alone, "3000.0": "FAILED"}, statuses
+    assert statuses == {"0.0": alone, "15000.0": "FAILED"}, statuses
     assert parent.info.status == "FAILED"
 
 
