@@ -65,6 +65,8 @@ def exit_now(code: int) -> NoReturn:
     model, its reducer and their futures) while the interpreter is whole, run the exit handlers
     (MLflow's, logging's), flush the streams; then leave without the C++ teardown — or, for
     `EXIT_REINCARNATE`, become this process again, fresh (`accelexp.lockstep.gate.reincarnate`).
+    A signal met on the way (SIGTERM from a sweeper stopping its jobs) ends the process as that
+    signal does, never with a fresh incarnation that would train on until killed.
     """
     try:
         threading._shutdown()  # what Python's exit does first: join the non-daemon threads
@@ -74,6 +76,9 @@ def exit_now(code: int) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
     finally:
+        stop = signals.stopped_by()  # raised here, or swallowed by an exit handler
+        if code == EXIT_REINCARNATE and stop is not None:
+            code = stop.exit_code
         if code == EXIT_REINCARNATE:
             from accelexp.lockstep.gate import reincarnate
 

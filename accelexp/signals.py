@@ -54,6 +54,7 @@ class _State:
     ending: bool = False  # recording an error (`ending()`): a signal is logged and ignored
     deferring: int = 0  # `deferred()` blocks open: a signal waits for the last to end
     pending: int | None = None  # the signal that waits
+    stopped_by: int | None = None  # the signal that stopped the job
 
 
 _state = _State()
@@ -74,8 +75,14 @@ def _raise_interrupted(signum: int, frame: object) -> None:
 
 
 def _stop(signum: int) -> None:
-    _state.stopping = True
+    _state.stopping, _state.stopped_by = True, signum
     raise Interrupted(signum)
+
+
+def stopped_by() -> Interrupted | None:
+    """The signal that stopped this process, if one did (even where its `Interrupted` was
+    swallowed, as an exit handler's is)."""
+    return None if _state.stopped_by is None else Interrupted(_state.stopped_by)
 
 
 def ending() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 
 from omegaconf import OmegaConf
 
@@ -61,3 +63,22 @@ def test_each_run_main_has_its_own_sweep_state_and_a_sweep_is_closed_once():
     assert sweep.closed == ["KILLED"]
     with outcome.sweep_state() as fresh:  # a later run_main in the same process starts clean
         assert fresh.exit_code == 0 and fresh.running is None
+
+
+def test_a_signal_while_a_process_hands_its_run_on_stops_it_instead(tmp_path):
+    """A lockstep job's process that ends its epochs becomes a fresh one (`EXIT_REINCARNATE`);
+    a SIGTERM met while it tears down (here: in an exit handler, which Python's atexit would
+    swallow) stops it with 143 instead, never a fresh incarnation training on until its sweeper
+    kills it."""
+    script, starts = tmp_path / "job.py", tmp_path / "starts"
+    script.write_text(
+        "import atexit, os, signal, time\n"
+        "from accelexp import outcome, signals\n"
+        f"open({str(starts)!r}, 'a').write('x')\n"
+        "signals.install()\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(5)))\n"
+        "outcome.exit_now(outcome.EXIT_REINCARNATE)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120)
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr
+    assert starts.read_text() == "x", "one process: no incarnation after the signal"
