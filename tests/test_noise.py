@@ -254,7 +254,8 @@ def test_a_run_beside_a_real_hog_is_tagged_contended_and_never_compute_bound(
     assert tags["noise"] == "contended" and "other processes used" in tags["noise_evidence"]
     assert tags["diagnosis"] == "contended"
     assert logged.data.metrics["noise/others_cores"] >= OTHERS_CORES
-    local = MlflowClient(tracking_uri).download_artifacts(logged.info.run_id, "diagnosis.md")
+    client = MlflowClient(tracking_uri)
+    local = client.download_artifacts(logged.info.run_id, "diagnosis.md", str(tmp_path))
     assert "**contended**" in Path(local).read_text()
     (row,) = compare([query.run_record(tracking_uri, logged.info.run_id, histories=True)])
     assert row.noise == "contended"

@@ -143,13 +143,13 @@ def test_a_sweep_is_one_parent_run_with_a_child_per_job(grid_sweep):
         assert {"parallelism", "precision", "model"} <= child.data.tags.keys()
 
 
-def test_the_parent_carries_the_summary_and_the_plots(grid_sweep):
+def test_the_parent_carries_the_summary_and_the_plots(grid_sweep, tmp_path):
     _, uri, result = grid_sweep
     parent, children = runs_of(uri, GRID)
     client = MlflowClient(uri)
     names = {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
     assert {f"report/{n}" for n in ("summary.csv", "summary.md", "throughput.png")} <= names
-    local = client.download_artifacts(parent.info.run_id, "report/summary.csv")
+    local = client.download_artifacts(parent.info.run_id, "report/summary.csv", str(tmp_path))
     rows = list(csv.DictReader(io.StringIO(Path(local).read_text())))
     assert len(rows) == len(children) == 4
     # the sweep's end prints where to look: the runs table, not MLflow 3's GenAI landing page
@@ -166,9 +166,11 @@ def test_a_failed_job_is_a_failed_child_and_the_sweep_goes_on(tmp_path, mlflow_t
     failed = [r for r in children if r.info.status == "FAILED"]
     assert len(children) == 2 and len(failed) == 1, status
     client = MlflowClient(uri)
-    error = Path(client.download_artifacts(failed[0].info.run_id, "error.txt")).read_text()
+    error = Path(client.download_artifacts(failed[0].info.run_id, "error.txt", str(tmp_path)))
+    error = error.read_text()
     assert "data.batch_size=100000" in error
-    summary = Path(client.download_artifacts(parent.info.run_id, "report/summary.csv")).read_text()
+    summary = client.download_artifacts(parent.info.run_id, "report/summary.csv", str(tmp_path))
+    summary = Path(summary).read_text()
     assert "FAILED" in summary
 
 
