@@ -3,6 +3,8 @@
 Every multi-worker test here starts real worker processes on this machine's CPU: through
 `accelexp.launch`, the way `python run.py parallelism=... parallelism.nprocs=2` does, or as
 `python run.py` joining a world its launcher made (torchrun, horovodrun, srun's environment).
+A sweep over worker counts, one run per job: DDP's, the README's scaling sweep
+(tests/test_sweeps.py); Horovod's, tests/test_signals.py (its 2-worker job stopped by a signal).
 """
 
 from __future__ import annotations
@@ -147,36 +149,6 @@ def test_ddp_fp16_compression_sends_the_gradients_as_fp16(hook, compressed, comp
         assert all(as_fp16) if compressed else not any(as_fp16)
     finally:
         strategy.teardown()
-
-
-@pytest.mark.parametrize("name", ["horovod"])  # ddp's: the README's scaling sweep, test_sweeps
-def test_a_sweep_over_worker_counts_logs_one_run_per_job(name, tmp_path, tracking_uri, cli):
-    uri = tracking_uri
-    result = cli(
-        "-m",
-        f"parallelism={name}",
-        "parallelism.nprocs=1,2",
-        "data=synthetic",
-        "data.num_train=256",
-        "data.image_size=16",
-        "data.batch_size=32",
-        "max_steps_per_epoch=3",
-        "epochs=1",
-        "progress=false",
-        f"mlflow.tracking_uri={uri}",
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
-    )
-    assert result.returncode == 0, output_of(result)
-    runs = MlflowClient(uri).search_runs(["1"])
-    runs = [r for r in runs if r.data.tags.get("accelexp.sweep") != "true"]  # not the parent
-    assert sorted(r.data.params["world_size"] for r in runs) == ["1", "2"]
-    for run in runs:
-        assert run.info.status == "FINISHED"
-        assert run.data.tags["parallelism"] == name
-        assert (run.data.tags["placement"], run.data.tags["sync"]) == ("one device", name)
-        assert {"samples_per_s", "samples_per_s_per_device", "test_acc"} <= run.data.metrics.keys()
-    names = sorted(r.info.run_name for r in runs)
-    assert names == [f"np1 simple_cnn-{name}-fp32", f"np2 simple_cnn-{name}-fp32"]
 
 
 def leftover_workers(marker: str) -> list[psutil.Process]:

@@ -134,6 +134,8 @@ def kill_and_resume(tmp_path, template, cli, signum, *overrides) -> tuple[Path, 
         assert job.finish() == 128 + signum, job.output
     finally:
         job.kill_everything()
+    assert f"Stopped by {signal.Signals(signum).name}" in job.output
+    assert "Traceback" not in job.output, job.output
     interrupted = the_run(uri)
     assert interrupted.info.status == "KILLED"
     result = cli(
