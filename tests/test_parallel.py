@@ -3,6 +3,8 @@
 Every multi-worker test here starts real worker processes on this machine's CPU: through
 `accelexp.launch`, the way `python run.py parallelism=... parallelism.nprocs=2` does, or as
 `python run.py` joining a world its launcher made (torchrun, horovodrun, srun's environment).
+A sweep over worker counts, one run per job: DDP's, the README's scaling sweep
+(tests/test_sweeps.py); Horovod's, tests/test_signals.py (its 2-worker job stopped by a signal).
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import REPO, built_once, compose_config, new_store, output_of, store_uri
+from conftest import REPO, built_once, new_store, output_of, store_uri
 from mlflow import MlflowClient
 
 from accelexp import parallel
 from accelexp.config import ConfigError, typed
-from accelexp.launch import WorkerFailedError, exits, failures, launch
+from accelexp.launch import exits, failures, launch
 from accelexp.launch.output import ConsoleFilter
 from accelexp.parallel import build_strategy, connect
 from accelexp.parallel.base import ShardSampler
@@ -149,36 +151,6 @@ def test_ddp_fp16_compression_sends_the_gradients_as_fp16(hook, compressed, comp
         strategy.teardown()
 
 
-@pytest.mark.parametrize("name", ["horovod"])  # ddp's: the README's scaling sweep, test_sweeps
-def test_a_sweep_over_worker_counts_logs_one_run_per_job(name, tmp_path, tracking_uri, cli):
-    uri = tracking_uri
-    result = cli(
-        "-m",
-        f"parallelism={name}",
-        "parallelism.nprocs=1,2",
-        "data=synthetic",
-        "data.num_train=256",
-        "data.image_size=16",
-        "data.batch_size=32",
-        "max_steps_per_epoch=3",
-        "epochs=1",
-        "progress=false",
-        f"mlflow.tracking_uri={uri}",
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
-    )
-    assert result.returncode == 0, output_of(result)
-    runs = MlflowClient(uri).search_runs(["1"])
-    runs = [r for r in runs if r.data.tags.get("accelexp.sweep") != "true"]  # not the parent
-    assert sorted(r.data.params["world_size"] for r in runs) == ["1", "2"]
-    for run in runs:
-        assert run.info.status == "FINISHED"
-        assert run.data.tags["parallelism"] == name
-        assert (run.data.tags["placement"], run.data.tags["sync"]) == ("one device", name)
-        assert {"samples_per_s", "samples_per_s_per_device", "test_acc"} <= run.data.metrics.keys()
-    names = sorted(r.info.run_name for r in runs)
-    assert names == [f"np1 simple_cnn-{name}-fp32", f"np2 simple_cnn-{name}-fp32"]
-
-
 def leftover_workers(marker: str) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
@@ -189,36 +161,53 @@ def leftover_workers(marker: str) -> list[psutil.Process]:
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_a_worker_killed_without_a_word_is_named_as_the_cause_and_nothing_is_left(
-    name, tmp_path, tracking_uri, capfd
+    name, tmp_path, tracking_uri, cli
 ):
     """rank 1 dies by SIGKILL (as by the OOM killer): no error of its own, only its launcher's
-    record; rank 0 then fails on the lost connection. The message names rank 1 and its signal
-    first, in a few lines, and the file where every worker's output is; the console showed the
-    workers' log records, not their tracebacks."""
-    cfg = compose_config(
-        tracking_uri,
+    record; rank 0 then fails on the lost connection (its own error, recorded as a worker's error
+    is). `python run.py` (its main, in this process) exits 2; the message names rank 1 and its
+    signal first, in a few lines, and the file where every worker's output is; the console showed
+    the workers' log records, not their tracebacks. The job, not the workers, closes the run:
+    FAILED, its error.txt the message, what was logged kept."""
+    result = cli(
         f"parallelism={name}",
         "parallelism.nprocs=2",
         "debug.raise_on_rank=1",
         "debug.raise_as=SIGKILL",
         "debug.raise_at_step=2",
+        "data=synthetic",
+        "data.num_train=256",
+        "data.num_test=128",
+        "data.batch_size=32",
+        "data.image_size=16",
+        "epochs=1",
         "max_steps_per_epoch=5",
+        "progress=false",
+        "threads=1",
+        f"mlflow.tracking_uri={tracking_uri}",
+        tmp_path=tmp_path,
     )
-    with pytest.raises(WorkerFailedError) as failure:
-        launch(cfg, tmp_path / "out")
-    lines = str(failure.value).splitlines()
+    assert result.returncode == 2, output_of(result)
+    output = tmp_path / "job" / "workers" / "output.log"
+    said = output_of(result).splitlines()
+    first = said.index(next(line for line in said if f"2 {name} workers failed" in line))
+    lines = said[first : first + 4]
     assert lines[1].startswith("First failure, rank1: killed by SIGKILL, without an error")
     assert lines[2].startswith("Then rank0: ")  # its consequence, in one line
-    output = tmp_path / "out" / "workers" / "output.log"
-    assert lines[-1] == f"Every worker's whole output: {output}"
-    assert len(lines) == 4
-    console = capfd.readouterr().err
+    assert lines[3] == f"Every worker's whole output: {output}"
     training = "[rank 0][accelexp.train][INFO] - Training"
     assert training in output.read_text()
-    assert training in console
-    assert "<stderr>:" not in console  # horovodrun's prefix of each line
+    assert training in output_of(result)
+    assert "<stderr>:" not in output_of(result)  # horovodrun's prefix of each line
+    assert "Traceback" not in output_of(result)
     time.sleep(0.5)
-    assert leftover_workers(str(tmp_path / "out" / "workers")) == []
+    assert leftover_workers(str(tmp_path / "job" / "workers")) == []
+    client = MlflowClient(tracking_uri)
+    (run,) = client.search_runs(["1"])
+    assert run.info.status == "FAILED"
+    error = Path(client.download_artifacts(run.info.run_id, "error.txt")).read_text()
+    assert "First failure, rank1: killed by SIGKILL" in error
+    assert "config_resolved.yaml" in {a.path for a in client.list_artifacts(run.info.run_id)}
 
 
 def test_a_rank_the_launcher_stopped_while_it_started_is_not_the_cause(tmp_path):
@@ -249,31 +238,6 @@ def test_the_console_shows_the_workers_log_records_and_not_the_rest():
     shown = [show(line) for line in output]
     assert [line is not None for line in shown] == list(output.values())
     assert shown[0] == "[2026-12-02 15:53:40,327][rank 1][accelexp][WARNING] - Stopped."
-
-
-def test_a_crashing_worker_through_run_py_fails_the_run_and_exits_non_zero(
-    tmp_path, tracking_uri, cli
-):
-    result = cli(
-        "parallelism=ddp",
-        "parallelism.nprocs=2",
-        "debug.raise_on_rank=0",
-        "data=synthetic",
-        "data.image_size=16",
-        "progress=false",
-        f"mlflow.tracking_uri={tracking_uri}",
-        tmp_path=tmp_path,
-    )
-    assert result.returncode == 2
-    assert "2 ddp workers failed" in output_of(result)
-    assert "debug.raise_on_rank=0: failing at step 1" in output_of(result)
-    # the job, not the killed worker, closes the run: FAILED, with the error, what was logged kept
-    client = MlflowClient(tracking_uri)
-    (run,) = client.search_runs(["1"])
-    assert run.info.status == "FAILED"
-    error = Path(client.download_artifacts(run.info.run_id, "error.txt")).read_text()
-    assert "debug.raise_on_rank=0" in error
-    assert "config_resolved.yaml" in {a.path for a in client.list_artifacts(run.info.run_id)}
 
 
 def test_horovod_missing_is_one_clear_message(tmp_path):

@@ -15,13 +15,17 @@ tests/test_parallel.py.)
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import EXACT, compose_config, new_store, output_of, store_uri
-from jobs import Job
+from jobs import HANG_GUARD_S, Job, alive, argv, descendants, processes_mentioning
 from mlflow import MlflowClient
 from torch import Generator
 
@@ -31,6 +35,7 @@ from accelexp.launch import launch
 from accelexp.models import build_model
 from accelexp.optim import build_optimizer, build_scheduler
 from accelexp.parallel import connect
+from accelexp.processes import runs_worker
 from accelexp.train import restore, run
 
 EPOCHS = 2  # the fewest a kill can land between: resumed after epoch 1, epoch 2 trained again
@@ -134,6 +139,8 @@ def kill_and_resume(tmp_path, template, cli, signum, *overrides) -> tuple[Path, 
         assert job.finish() == 128 + signum, job.output
     finally:
         job.kill_everything()
+    assert f"Stopped by {signal.Signals(signum).name}" in job.output
+    assert "Traceback" not in job.output, job.output
     interrupted = the_run(uri)
     assert interrupted.info.status == "KILLED"
     result = cli(
@@ -162,31 +169,53 @@ def test_a_killed_run_resumed_ends_as_an_uninterrupted_one(
 
 @pytest.mark.slow
 def test_torchrun_restarts_a_killed_worker_and_the_world_resumes(
-    tmp_path, mlflow_template_db, references
+    tmp_path, tracking_uri, capfd, references
 ):
     """FSDP's world: last.pt holds its whole state, gathered from the shards; the restarted
-    workers reshard it."""
-    uri = new_store(tmp_path, mlflow_template_db)
-    job = Job(
-        tmp_path,
-        *SLOWED,
-        *FSDP,
-        "parallelism.max_restarts=1",
-        f"mlflow.tracking_uri={uri}",
-        f"hydra.run.dir={tmp_path / 'job'}",
-    )
+    workers reshard it. Started as run.py starts it (`accelexp.launch`: torchrun and its
+    workers, real processes), from a thread of this process: run.py's own start-up would prove
+    nothing more here (a signal to run.py is tests/test_signals.py's)."""
+    run_dir = tmp_path / "job"
+    output = run_dir / "workers" / "output.log"
+    cfg = compose_config(tracking_uri, *SLOWED, *FSDP, "parallelism.max_restarts=1")
+    ended: dict = {}
+
+    def job() -> None:
+        try:
+            ended["metrics"] = launch(cfg, run_dir)
+        except BaseException as error:  # said by the assertion below
+            ended["error"] = error
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    seen: set[int] = set()
     try:
-        job.wait_for(f"epoch 1/{EPOCHS}")
-        victim = max(job.workers())
-        job.signal_pid(victim, signal.SIGKILL)
-        assert job.finish() == 0, job.output
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not (output.is_file() and f"epoch 1/{EPOCHS}" in output.read_text()):
+            assert thread.is_alive(), ended
+            assert time.monotonic() < deadline, f"no epoch 1 after {HANG_GUARD_S}s"
+            time.sleep(0.1)
+        seen.update(descendants(os.getpid()))
+        workers = [p for p in seen if runs_worker(argv(p))]
+        assert len(workers) == 2, "the workers run when one is killed"
+        os.kill(max(workers), signal.SIGKILL)
+        thread.join(HANG_GUARD_S)
+        assert not thread.is_alive(), f"the job still runs after {HANG_GUARD_S}s"
     finally:
-        job.kill_everything()
-    assert "Resuming after epoch" in job.output
-    assert "torchrun restarts the world (restart 1 of 1)" in job.output
-    assert "Traceback" not in job.output  # the workers' are in their output file
-    assert the_run(uri).info.status == "FINISHED"
-    assert_same_training(*references(*FSDP), tmp_path / "job", uri)
+        if thread.is_alive():  # a failed test: nothing of it outlives it
+            for pid in [*seen, *descendants(os.getpid())]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        thread.join()
+    assert "metrics" in ended, ended
+    said = output.read_text()
+    assert "Resuming after epoch" in said
+    assert "torchrun restarts the world (restart 1 of 1)" in said
+    assert "Traceback" not in "".join(capfd.readouterr())  # the console: the workers' records
+    left = [p for p in seen if alive(p)] + processes_mentioning(str(run_dir))
+    assert left == [], "processes outlived the job"
+    assert the_run(tracking_uri).info.status == "FINISHED"
+    assert_same_training(*references(*FSDP), run_dir, tracking_uri)
 
 
 def test_resume_refuses_a_checkpoint_of_another_config(compose_cfg, tmp_path):

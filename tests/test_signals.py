@@ -1,17 +1,18 @@
 """SIGINT and SIGTERM to real jobs: every process stops, the run is KILLED, its metrics kept.
 
-Each job would train for 40 short epochs, each batch a little late (`debug.input_delay_ms`), so
-the signal, sent as soon as the first epoch is logged, lands in the middle of training. The test
+Each job trains long enough, each batch a little late (`debug.input_delay_ms`), that the
+signal, sent as soon as the first epoch is logged, lands in the middle of training. The test
 sees the job's whole process tree before the signal (run.py, the launcher, its workers, in
 whatever process sessions they are) and checks that none of it is left afterwards, that the
 exit code is 128 + the signal, that no traceback was printed, and what MLflow recorded.
 
 SIGINT and SIGTERM take one path (`accelexp.signals.install` gives both the same handler, which
 raises `Interrupted`; a launcher's workers get SIGTERM from `accelexp.processes.stop_job`
-whichever signal the job got), and what differs by strategy is who catches it: run.py itself
-(single, and a sweep's parent), or the launcher and its workers (torchrun for ddp, horovodrun for
-horovod). So each strategy is signalled once and each signal is sent at least once here; the
-other signal of single is sent in tests/test_resume.py, which resumes what it stopped.
+whichever signal the job got), and what differs is who catches it: run.py itself (single, and a
+sweep's parent), or the launcher and its workers (torchrun for ddp, horovodrun for horovod). So
+each is signalled once and each signal is sent at least once: DDP's run.py SIGTERM here; a
+sweep of Horovod jobs SIGINT here (run.py as the sweep's parent, and horovodrun's workers);
+a single process's run.py SIGTERM in tests/test_resume.py, which resumes what it stopped.
 """
 
 from __future__ import annotations
@@ -38,11 +39,6 @@ LONG = (
     "threads=1",
     "debug.input_delay_ms=50",  # 39 epochs of 4 batches: at least 7.8 s after epoch 1
 )
-STRATEGIES = {
-    "single": (),
-    "ddp": ("parallelism=ddp", "parallelism.nprocs=2"),
-    "horovod": ("parallelism=horovod", "parallelism.nprocs=2"),
-}
 
 
 def runs_of(uri: str) -> list:
@@ -51,11 +47,13 @@ def runs_of(uri: str) -> list:
     return client.search_runs([experiment.experiment_id])
 
 
-def stop_after_epoch_1(job: Job, signum: int, workers: int = 0) -> None:
-    """Signal the job once epoch 1 is logged; it must end by 128 + signum, without a traceback,
-    leaving no process behind (`Job.finish`)."""
+def stop_after_epoch_1(
+    job: Job, signum: int, workers: int = 0, epochs: int = 40, count: int = 1
+) -> None:
+    """Signal the job once epoch 1 is logged (the `count`-th time: a sweep's job); it must end
+    by 128 + signum, without a traceback, leaving no process behind (`Job.finish`)."""
     try:
-        job.wait_for("epoch 1/40")
+        job.wait_for(f"epoch 1/{epochs}", count)
         if workers:
             assert len(job.workers()) == workers, "the workers run when the signal is sent"
         job.signal(signum)
@@ -67,27 +65,20 @@ def stop_after_epoch_1(job: Job, signum: int, workers: int = 0) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "strategy, signum",
-    [
-        ("single", signal.SIGINT),  # SIGTERM: in test_resume.py
-        ("ddp", signal.SIGTERM),
-        ("horovod", signal.SIGINT),
-    ],
-)
-def test_a_signal_stops_every_process_and_the_run_is_killed(
-    strategy, signum, tmp_path, mlflow_template_db
-):
+def test_a_signal_stops_every_process_and_the_run_is_killed(tmp_path, mlflow_template_db):
+    """DDP's: SIGTERM to run.py, which stops torchrun and its workers; rank 0 closes the run."""
+    signum = signal.SIGTERM
     uri = new_store(tmp_path, mlflow_template_db)
     run_dir = tmp_path / "run"
     job = Job(
         tmp_path,
         *LONG,
-        *STRATEGIES[strategy],
+        "parallelism=ddp",
+        "parallelism.nprocs=2",
         f"mlflow.tracking_uri={uri}",
         f"hydra.run.dir={run_dir}",
     )
-    stop_after_epoch_1(job, signum, workers=0 if strategy == "single" else 2)
+    stop_after_epoch_1(job, signum, workers=2)
     assert f"Stopped by {signal.Signals(signum).name}" in job.output
     (run,) = runs_of(uri)
     assert run.info.status == "KILLED"
@@ -95,24 +86,57 @@ def test_a_signal_stops_every_process_and_the_run_is_killed(
     assert (run_dir / "checkpoints" / "last.pt").is_file(), "its last epoch can be resumed"
 
 
+# A sweep over Horovod's worker counts: the first job (1 worker) trains in run.py's process and
+# ends; the second (2 workers, horovodrun) is signalled once its epoch 1 is logged, each of its
+# batches this late: 2 epochs of 4 batches, at least 3.2 s, are left when the signal is sent
+SWEEP_EPOCHS = 3
+SWEEP = (
+    *(o for o in LONG if not o.startswith(("epochs=", "debug.input_delay_ms="))),
+    f"epochs={SWEEP_EPOCHS}",
+    "debug.input_delay_ms=400",
+)
+
+
 @pytest.mark.slow
-def test_a_signal_stops_a_sweep_and_its_parent_run_is_killed(tmp_path, mlflow_template_db):
-    signum = signal.SIGTERM  # as Slurm or Kubernetes stop it
+def test_a_signal_stops_a_sweep_of_horovod_worker_counts_and_its_parent_run_is_killed(
+    tmp_path, mlflow_template_db
+):
+    """SIGINT to `run.py -m parallelism=horovod parallelism.nprocs=1,2` during its second job:
+    run.py (the sweep's parent) catches it and stops horovodrun and its workers; rank 0 closes
+    the job's run KILLED, the sweep closes its parent KILLED, the job done before stays
+    FINISHED. And the sweep logged one run per job: each named by its worker count, its world
+    size, Horovod's placement and sync. (A whole sweep over worker counts: the README's scaling
+    sweep, DDP, tests/test_sweeps.py; Horovod's 2 workers to the end: tests/test_contract.py.)"""
+    signum = signal.SIGINT  # Ctrl-C
     uri = new_store(tmp_path, mlflow_template_db)
     job = Job(
         tmp_path,
         "-m",
-        *LONG,
-        "precision=fp32,bf16",
+        *SWEEP,
+        "parallelism=horovod",
+        "parallelism.nprocs=1,2",
         f"mlflow.tracking_uri={uri}",
         f"hydra.sweep.dir={tmp_path / 'sweep'}",
     )
-    stop_after_epoch_1(job, signum)
-    runs = {run.data.tags.get("accelexp.sweep") == "true": run for run in runs_of(uri)}
-    assert len(runs_of(uri)) == 2, "the parent and the first job's run: the second never started"
-    assert runs[True].info.status == "KILLED", "the sweep's parent run"
-    assert runs[False].info.status == "KILLED", "the job that was running"
-    assert "train_loss" in runs[False].data.metrics
+    stop_after_epoch_1(job, signum, workers=2, epochs=SWEEP_EPOCHS, count=2)
+    assert f"Stopped by {signal.Signals(signum).name}" in job.output
+    runs = runs_of(uri)
+    (parent,) = [r for r in runs if r.data.tags.get("accelexp.sweep") == "true"]
+    assert parent.info.status == "KILLED", "the sweep's parent run"
+    jobs = sorted((r for r in runs if r is not parent), key=lambda r: r.data.params["world_size"])
+    assert [r.data.params["world_size"] for r in jobs] == ["1", "2"]
+    assert [r.info.run_name for r in jobs] == ["np1 simple_cnn-horovod-fp32",
+                                               "np2 simple_cnn-horovod-fp32"]  # fmt: skip
+    for run in jobs:
+        assert run.data.tags["parallelism"] == "horovod"
+        assert (run.data.tags["placement"], run.data.tags["sync"]) == ("one device", "horovod")
+    done, stopped = jobs
+    assert done.info.status == "FINISHED"
+    assert {"samples_per_s", "samples_per_s_per_device", "test_acc"} <= done.data.metrics.keys()
+    assert stopped.info.status == "KILLED", "the job that was running"
+    assert "train_loss" in stopped.data.metrics, "the metrics logged before the signal are kept"
+    last = tmp_path / "sweep" / "1" / "checkpoints" / "last.pt"
+    assert last.is_file(), "its last epoch can be resumed"
 
 
 CHECKPOINT_UNDER_SIGNAL = """
