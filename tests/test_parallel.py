@@ -205,8 +205,8 @@ def test_a_worker_killed_without_a_word_is_named_as_the_cause_and_nothing_is_lef
     client = MlflowClient(tracking_uri)
     (run,) = client.search_runs(["1"])
     assert run.info.status == "FAILED"
-    error = Path(client.download_artifacts(run.info.run_id, "error.txt")).read_text()
-    assert "First failure, rank1: killed by SIGKILL" in error
+    error = Path(client.download_artifacts(run.info.run_id, "error.txt", str(tmp_path)))
+    assert "First failure, rank1: killed by SIGKILL" in error.read_text()
     assert "config_resolved.yaml" in {a.path for a in client.list_artifacts(run.info.run_id)}
 
 

@@ -88,13 +88,16 @@ def profiled(compose_cfg, tmp_path):
     return cfg, tracker, collected, tmp_path / "out"
 
 
-def test_the_trace_of_the_active_steps_is_an_mlflow_artifact(profiled):
+def test_the_trace_of_the_active_steps_is_an_mlflow_artifact(profiled, tmp_path):
     cfg, tracker, _, _ = profiled
     client = MlflowClient(tracking_uri=cfg.mlflow.tracking_uri)
     listed = [a.path for a in client.list_artifacts(tracker.run_id, "traces")]
     assert listed == ["traces/rank-0.pt.trace.json.gz"]
     local = download_artifacts(
-        run_id=tracker.run_id, artifact_path=listed[0], tracking_uri=cfg.mlflow.tracking_uri
+        run_id=tracker.run_id,
+        artifact_path=listed[0],
+        tracking_uri=cfg.mlflow.tracking_uri,
+        dst_path=str(tmp_path),
     )
     trace = read_trace(local)
     # schedule(wait=1, warmup=1, active=2): steps 0 and 1 are not kept, 2 and 3 are recorded
@@ -233,7 +236,7 @@ def test_on_a_gpu_hta_figures_are_logged(compose_cfg, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_two_worker_run_logs_each_ranks_trace(reference_folder):
+def test_a_two_worker_run_logs_each_ranks_trace(reference_folder, tmp_path):
     """End to end: `python run.py parallelism=ddp parallelism.nprocs=2 profile=true` (the run
     test_fsdp reads the memory figures of)."""
     folder, _ = reference_folder(*two_workers_of_a_wide_mlp("ddp"))
@@ -242,7 +245,9 @@ def test_a_two_worker_run_logs_each_ranks_trace(reference_folder):
     names = sorted(Path(a.path).name for a in client.list_artifacts(run.info.run_id, "traces"))
     assert names == ["rank-0.pt.trace.json.gz", "rank-1.pt.trace.json.gz"]
     for rank, name in enumerate(names):
-        trace = read_trace(client.download_artifacts(run.info.run_id, f"traces/{name}"))
+        trace = read_trace(
+            client.download_artifacts(run.info.run_id, f"traces/{name}", str(tmp_path))
+        )
         assert trace["distributedInfo"]["rank"] == rank
         assert profiler_steps(trace) == ["ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"]
     assert run.data.tags["hta"] == NO_KERNELS
