@@ -8,7 +8,7 @@ One parametrized suite over every strategy, against references trained once per 
 - **accumulation = the larger batch**: 2 workers x 2 micro-batches of 16, the same (for DDP and
   Horovod this is their N-workers case too: the second micro-batch's backward is a plain synced
   one, DDP's outside `no_sync`, Horovod's the allreduce its `backward_passes_per_step` delayed;
-  both run compiled, below; FSDP's block units run eager on a ViT and compiled on the CNN);
+  both run compiled, below; FSDP's block units run eager on a ViT and compiled on an MLP);
 - **split = unsplit**: a model cut into stages (`parallelism=model`, any chunks or split points,
   any optimizer and precision) trains as the whole model on one device does; so does a pipeline
   across 2 ranks (`parallelism=pipeline`, 1F1B, 4 micro-batches: run.py's launch end to end;
@@ -16,9 +16,11 @@ One parametrized suite over every strategy, against references trained once per 
 - **switch = eager**: `speed.compile` under 2 workers ends where one eager process ends, in fp32,
   each sync compiling its own way: DDP the DDP module, Horovod the model with its gradient hooks
   intact (with `speed.channels_last` too: its gradients synced through contiguous copies), FSDP
-  each layer before sharding it; all three compiled cases share one reference, the one process
-  most cases share. Under bf16 autocast a compiled model trains as the eager one in the
-  speedups study (`test_speed.py`: its compile rung against its bf16 rung, one process);
+  each layer before sharding it (an MLP's two: the fewest graphs; convolutions and a block with
+  BatchNorm compiled under FSDP in one process in `test_fsdp.py`). DDP's and Horovod's share
+  one reference, the one process most cases share. Under bf16 autocast a compiled model trains
+  as the eager one in the speedups study (`test_speed.py`: its compile rung against its bf16
+  rung, one process);
   `speed.activation_checkpointing` (full, every k-th block, by op) under DDP, FSDP and stages
   ends where one process without it ends.
 
@@ -57,6 +59,8 @@ RESNET18 = (
     "data.batch_size=16",
     "max_steps_per_epoch=2",
 )
+# one hidden layer: the fewest layers to compile each of (FSDP compiles every layer apart)
+TINY_MLP = ("model=mlp", "model.widths=[32]")
 ADAMW = ("optimizer=adamw", "scheduler=onecycle")
 
 
@@ -84,7 +88,7 @@ def _world_of_two(run: Run) -> None:
 
 def _fsdp_units(units: int, name: str = "simple_cnn-fsdp-np2-fp32") -> Callable[[Run], None]:
     def check(run: Run) -> None:
-        # simple_cnn's units: 2 convs, 2 linears and the root (block); the root alone (model)
+        # granularity=block: each layer with parameters and the root; model: the root alone
         assert run.data.params["fsdp_units"] == str(units)
         assert run.info.run_name == name
 
@@ -115,8 +119,8 @@ def _pipeline(run: Run) -> None:
 
 
 def _compiled_fsdp(run: Run) -> None:
-    _fsdp_units(5, "simple_cnn-fsdp-np2-fp32-compile:default")(run)  # granularity=block
-    assert run.data.params["fsdp_compiled_layers"] == "4"  # simple_cnn: 2 convs, 2 linears
+    _fsdp_units(3, "mlp-fsdp-np2-fp32-compile:default")(run)  # granularity=block: 2 linears, root
+    assert run.data.params["fsdp_compiled_layers"] == "2"  # the MLP's 2 linears
     assert run.data.metrics["compile_s"] > 0  # the warm-up that compiles, timed apart
 
 
@@ -241,7 +245,8 @@ CASES = [
     # switch = eager
     Case(
         "fsdp-compile",
-        ("parallelism=fsdp", *TWO_WORKERS, "speed.compile=default"),
+        (*TINY_MLP, "parallelism=fsdp", *TWO_WORKERS, "speed.compile=default"),
+        (*TINY_MLP, *ONE_PROCESS),
         check=_compiled_fsdp,
     ),
     Case(
