@@ -1,11 +1,13 @@
 """A tracking URI with `user:password@` works, and the password is written and printed nowhere.
 
-A real `mlflow server` on 127.0.0.1 (it ignores basic auth, which is all this needs) takes a
-single run and a small sweep whose command lines carry `http://alice:s3cret-XYZ@...`; then every
-file of the runs' folders, of the server's store and artifacts, and the output is searched for the
-password. A small HTTP server that does demand basic auth checks that the credentials are sent.
-A PostgreSQL store's password in the URI is tested against a real database (its authentication
-needs it) in tests/test_team_store.py.
+A real `mlflow server` on 127.0.0.1 (it ignores basic auth, which is all this needs; the one
+tests/test_outage.py starts, before its outage) takes a 2-worker run whose command line carries
+`http://alice:s3cret-XYZ@...`; then every file of the run's folder, of the server's store and
+artifacts, and the output is searched for the password. A sweep with a password in its server's
+URI is tests/test_team_store.py's (a `run.py -m` process through its server). A small HTTP
+server that does demand basic auth checks that the credentials are sent. A PostgreSQL store's
+password in the URI is tested against a real database (its authentication needs it) in
+tests/test_team_store.py.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import TINY_DATA, TINY_RUN, new_store, output_of, served
+from conftest import TINY_DATA, TINY_RUN, output_of, run_here
 from mlflow import MlflowClient
+from test_outage import outage  # noqa: F401 (a fixture: the server the run logs to)
 
 from accelexp.parallel.world import free_port
 from accelexp.tracking import credentials
@@ -182,16 +185,7 @@ def test_the_health_check_sends_the_credentials(guarded_server, monkeypatch):
     check_reachable(f"http://127.0.0.1:{guarded_server}")  # from MLflow's variables
 
 
-# --- real runs against a real server ------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, mlflow_template_db) -> Iterator[tuple[str, Path]]:
-    """(base URL, folder of its store and artifacts) of a real `mlflow server`."""
-    folder = tmp_path_factory.mktemp("server")
-    store = new_store(folder, mlflow_template_db)
-    with served(store, folder) as base:
-        yield base, folder
+# --- a real run against a real server ---------------------------------------------------------
 
 
 def files_with_secret(*folders: Path) -> list[str]:
@@ -203,18 +197,17 @@ def files_with_secret(*folders: Path) -> list[str]:
     ]
 
 
-def runs_of(base: str, experiment: str) -> list:
-    client = MlflowClient(base)
-    return client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
-
-
 def secret_uri(base: str) -> str:
     return base.replace("http://", f"http://alice:{SECRET}@")
 
 
-def test_a_run_with_a_password_in_the_uri_works_and_keeps_it_nowhere(server, tmp_path, cli):
-    base, store = server
-    result = cli(
+def run_with_a_password(base: str, folder: Path) -> list:
+    """`python run.py` in this process (`run_here`) with `http://alice:<password>@` in its
+    tracking URI: 2 DDP workers, started from files in the run's folder, the checkpoint logged;
+    [its exit code, what it printed]. Run on tests/test_outage.py's server before its outage
+    (one server start for both)."""
+    result = run_here(
+        None,
         f"mlflow.tracking_uri={secret_uri(base)}",
         "mlflow.experiment=single",
         "data=synthetic",
@@ -223,40 +216,29 @@ def test_a_run_with_a_password_in_the_uri_works_and_keeps_it_nowhere(server, tmp
         "mlflow.log_checkpoint=true",
         "parallelism=ddp",  # two worker processes, started from files in the run's folder
         "parallelism.nprocs=2",
-        tmp_path=tmp_path,
+        tmp_path=folder,
     )
-    text = output_of(result)
-    assert result.returncode == 0, text
-    (run,) = runs_of(base, "single")
+    return [result.returncode, output_of(result)]
+
+
+def test_a_run_with_a_password_in_the_uri_works_and_keeps_it_nowhere(outage):  # noqa: F811
+    """On a real `mlflow server` of a SQLite store: the run finishes, its params and tags carry
+    the URI without the password, and no file of the run's folder or of the server's (its store,
+    its artifacts, its logs) nor the output holds it. A sweep with a password in the server's URI
+    is tests/test_team_store.py's (a `run.py -m` process)."""
+    folder, built = outage
+    code, text = built["password"]
+    assert code == 0, text
+    base = built["url"]
+    client = MlflowClient(built["store"])  # the server's store, read after the server is gone
+    (run,) = client.search_runs([client.get_experiment_by_name("single").experiment_id])
     assert run.info.status == "FINISHED"
     assert run.data.params["mlflow.tracking_uri"] == base
     assert f"mlflow.tracking_uri={base}" in run.data.tags["overrides"]
-    assert (tmp_path / "job" / ".hydra" / "overrides.yaml").is_file()
-    assert (tmp_path / "job" / "workers" / "job.json").is_file()
+    assert (folder / "password" / "job" / ".hydra" / "overrides.yaml").is_file()
+    assert (folder / "password" / "job" / "workers" / "job.json").is_file()
     assert SECRET not in text
-    assert files_with_secret(tmp_path, store) == []
-
-
-def test_a_sweep_with_a_password_in_the_uri_works_and_keeps_it_nowhere(server, tmp_path, cli):
-    base, store = server
-    result = cli(
-        "-m",
-        "precision=fp32,bf16",
-        f"mlflow.tracking_uri={secret_uri(base)}",
-        "mlflow.experiment=sweep",
-        "data=synthetic",
-        *TINY_DATA,
-        *TINY_RUN,
-        f"hydra.sweep.dir={tmp_path / 'sweep'}",
-    )
-    text = output_of(result)
-    assert result.returncode == 0, text
-    runs = runs_of(base, "sweep")
-    assert len(runs) == 3  # the parent and a child per job
-    assert {run.info.status for run in runs} == {"FINISHED"}
-    assert (tmp_path / "sweep" / "multirun.yaml").is_file()
-    assert SECRET not in text
-    assert files_with_secret(tmp_path, store) == []
+    assert files_with_secret(folder) == []  # the run's folder, the server's store and artifacts
 
 
 # --- a database store -----------------------------------------------------------------------

@@ -33,10 +33,11 @@ its test, so a new kind of command in the docs needs a rule here. What the rules
 - `pip install -e '.[EXTRAS]'`: each extra is declared in pyproject.toml (installing needs the
   network). `make TARGET` exists (`make -n`). `bash scripts/X.sh` is valid shell (`bash -n`), and
   runs for real when `DRY_RUN=1` (unless the test `DRY_RUN_BY` names runs that very dry run).
-  `horovodrun --check-build` runs. `python benchmarks/X.py` answers `--help`, in this process (a
-  new one would only repeat pytest's imports; the benchmarks take minutes: `make bench` runs
-  them, and tests/test_chaos.py starts benchmarks/chaos.py for real). `run.py --help` is the one
-  tests/test_cli.py reads (`conftest.run_py_help`).
+  `horovodrun --check-build` runs, in this process (its checks fork: from here, with torch
+  imported), and says it was built with PyTorch. `python benchmarks/X.py` answers `--help`, in
+  this process (a new one would only repeat pytest's imports; the benchmarks take minutes: `make
+  bench` runs them, and tests/test_chaos.py starts benchmarks/chaos.py for real). `run.py
+  --help` is the one tests/test_cli.py reads (`conftest.run_py_help`).
 
 Placeholders in commands are written `<like this>` (`<run id>`, `<db host>`); `...` stands for the
 user's own overrides. Commands that start several processes or compile are marked slow.
@@ -584,8 +585,22 @@ def check_script(command: Command, store: Store) -> None:
 
 
 def check_horovod_build(command: Command, store: Store) -> None:
+    """horovodrun --check-build: the installed command's own `run_commandline`, in this process
+    (its start would only repeat pytest's imports; the `horovodrun` script itself starts a world
+    in tests/test_parallel.py). Each check it makes imports a Horovod extension in a process it
+    forks: forked from here, torch is imported already (a new process imports it ~14 times)."""
+    from horovod.runner.launch import run_commandline
+
     _, argv = command.words()
-    run_ok([executable("horovodrun"), *argv[1:]])
+    printed, saved = io.StringIO(), sys.argv
+    sys.argv = [executable("horovodrun"), *argv[1:]]
+    try:
+        with contextlib.redirect_stdout(printed), pytest.raises(SystemExit) as done:
+            run_commandline()
+    finally:
+        sys.argv = saved
+    assert done.value.code in (0, None), f"horovodrun --check-build exited {done.value.code}"
+    assert "[X] PyTorch" in printed.getvalue(), printed.getvalue()  # built against this torch
 
 
 def check_benchmark(command: Command, store: Store) -> None:

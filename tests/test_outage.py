@@ -2,10 +2,12 @@
 training through `run.py` logs to a real `mlflow server`, which the test kills (SIGKILL, its whole
 process group) as soon as the run's first epoch is checkpointed.
 
-Both cases share one store and one server, built once a session (`built_once`): gone for a while
-(restarted on the same port a second later; its start takes seconds more), the run loses nothing
-and waits for none of it; gone for good, past a tiny `mlflow.outage_budget_s`, the run stops with
-one message, its checkpoint kept and its run found by `resume=auto` once the store is read again.
+Both cases share one store and one server, built once a session (`built_once`), which first takes
+tests/test_credentials.py's run with a password in its URI (one server start for both): gone for
+a while (restarted on the same port a second later; its start takes seconds more), the run loses
+nothing and waits for none of it; gone for good, past a tiny `mlflow.outage_budget_s`, the run
+stops with one message, its checkpoint kept and its run found by `resume=auto` once the store is
+read again.
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ def outage_runs(folder: Path, template: Path) -> dict:
         times.append(time.monotonic())
 
     try:
+        # first, test_credentials's run with a password in the URI (one server start for both)
+        from test_credentials import run_with_a_password
+
+        password = run_with_a_password(url, folder / "password")
         watcher = when_checkpointed(folder / "within" / "job", kill_and_restart)
         within = run_here(None, *tiny_run(url), tmp_path=folder / "within")
         watcher.join(timeout=600)
@@ -122,6 +128,8 @@ def outage_runs(folder: Path, template: Path) -> dict:
             kill(server)
     return {
         "store": store,
+        "url": url,
+        "password": password,
         "within": [within.returncode, output_of(within)],
         "outage_s": times[1] - times[0],
         "too_long": [too_long.returncode, output_of(too_long)],

@@ -25,7 +25,7 @@ from conftest import REPO, TINY_DATA, TINY_RUN, built_once, output_of, run_here,
 from mlflow import MlflowClient
 from omegaconf import OmegaConf
 from postgres import cluster
-from test_credentials import SECRET, files_with_secret
+from test_credentials import SECRET, files_with_secret, secret_uri
 
 from accelexp import processes, record
 from accelexp.tracking.store import TrackingUnavailableError, open_experiment
@@ -108,7 +108,7 @@ def launch_team(tmp: Path) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("HYDRA_", "MLFLOW_"))}
         through_server = subprocess.Popen(
             [sys.executable, "run.py", "-m", *TINY, f"precision={THROUGH_SERVER[1]}",
-             f"mlflow.tracking_uri={base}", "mlflow.experiment=team",
+             f"mlflow.tracking_uri={secret_uri(base)}", "mlflow.experiment=team",
              f"hydra.sweep.dir={tmp / 'team'}"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
@@ -119,6 +119,7 @@ def launch_team(tmp: Path) -> dict:
         races = {f"race {n}": opened_at_once(base, f"race {n}") for n in range(3)}
         return {
             "port": database.port,
+            "base": base,
             "ended": {
                 "team": [through_server.returncode, said],
                 "direct": [straight.returncode, output_of(straight)],
@@ -190,6 +191,26 @@ def test_a_sweep_straight_to_the_database_keeps_its_password_nowhere(team):
     assert (tmp / "direct" / "multirun.yaml").is_file()
     assert SECRET not in said
     assert files_with_secret(tmp / "direct", tmp / "direct-artifacts") == []
+
+
+def test_a_sweep_through_the_server_with_a_password_in_the_uri_keeps_it_nowhere(team):
+    """`http://alice:<password>@host` (the server ignores basic auth, which is all this needs):
+    the sweep's process works, and the password is in none of what it printed, the runs the
+    server recorded (params, tags), the sweep's folder or the server's artifacts. (That the
+    credentials are sent is test_credentials's; the password of a database store, the next
+    test's.)"""
+    tmp, found = team
+    code, said = found["ended"]["team"]
+    assert code == 0, said
+    assert SECRET not in said
+    made = found["runs"]["team"]
+    assert len(made) == 3 and {r["status"] for r in made} == {"FINISHED"}  # the parent, 2 jobs
+    for run in made:
+        assert not [v for v in (*run["params"].values(), *run["tags"].values()) if SECRET in v]
+        if record.PARENT_RUN in run["tags"]:  # a job: the URI it was given, without the password
+            assert run["params"]["mlflow.tracking_uri"] == found["base"]
+    assert (tmp / "team" / "multirun.yaml").is_file()
+    assert files_with_secret(tmp / "team", tmp / "server" / "artifacts") == []
 
 
 def test_a_run_straight_to_the_database_into_an_experiment_the_server_made_is_refused(team):
