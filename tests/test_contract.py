@@ -11,8 +11,9 @@ One parametrized suite over every strategy, against references trained once per 
   both run compiled, below; FSDP's block units run eager on a ViT and compiled on an MLP);
 - **split = unsplit**: a model cut into stages (`parallelism=model`, any chunks or split points,
   any optimizer and precision) trains as the whole model on one device does; so does a pipeline
-  across 2 ranks (`parallelism=pipeline`, 1F1B, 4 micro-batches: run.py's launch end to end;
-  every schedule is stepped against one process in `test_pipeline_ranks.py`);
+  across 2 ranks (`parallelism=pipeline`, 1F1B, 4 micro-batches, a tiny ViT: README's command,
+  run.py's launch end to end; every schedule is stepped against one process in
+  `test_pipeline_ranks.py`);
 - **switch = eager**: `speed.compile` under 2 workers ends where one eager process ends, in fp32,
   each sync compiling its own way: DDP the DDP module, Horovod the model with its gradient hooks
   intact (with `speed.channels_last` too: its gradients synced through contiguous copies), FSDP
@@ -115,7 +116,8 @@ def _pipeline(run: Run) -> None:
     assert tuple(params[k] for k in facts) == ("1", "2", "2", "2", "1")
     assert (run.data.tags["placement"], run.data.tags["sync"]) == ("stages per rank", "p2p")
     assert {"stage0_peak_mem_mb", "stage1_peak_mem_mb"} <= run.data.metrics.keys()
-    assert run.info.run_name == "simple_cnn-pipeline-np2-1f1b-m4-fp32"
+    assert run.info.run_name == "vit_tiny-pipeline-np2-1f1b-m4-fp32"
+    _stages_of_a_vit(run)  # cut where its layer sequence cuts: embedding .. blocks, .. head
 
 
 def _compiled_fsdp(run: Run) -> None:
@@ -215,14 +217,16 @@ CASES = [
         (*RESNET18, "precision=bf16"),
     ),
     Case(
-        "pipeline-1f1b",
+        "vit-pipeline-1f1b",  # README's pipeline command, tiny
         (
+            *TINY_VIT,
             "parallelism=pipeline",
             "parallelism.nprocs=2",
             "parallelism.schedule=1f1b",
             "parallelism.microbatches=4",
             *ONE_PROCESS,
         ),
+        (*TINY_VIT, *ONE_PROCESS),
         check=_pipeline,
     ),
     Case(

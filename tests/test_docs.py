@@ -402,6 +402,7 @@ RUN_BY = {
     "+experiment=scaling": "tests/test_sweeps.py",  # the study's sweep: workers x precision
     "repeats=3": "tests/test_sweeps.py",  # repeats round-robin, one row per configuration
     "parallelism=fsdp model=vit_tiny": "tests/test_contract.py",  # FSDP workers train a ViT
+    "parallelism=pipeline parallelism.schedule=1f1b model=vit_tiny": "tests/test_contract.py",
     "parallelism=ddp parallelism.nprocs=2 data=synthetic": "tests/test_contract.py",  # DDP workers
     "-m precision=fp32,amp,bf16": "tests/test_sweeps.py",  # a sweep over precisions, its report
     "+experiment=autotune": "tests/test_autotune.py",  # the loop, its decisions, its path

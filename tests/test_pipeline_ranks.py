@@ -7,7 +7,7 @@ pp x dp, each stage's gradients averaged over dp), step it through the loop's st
 (`accelexp.step.train_step`), each pipeline on its half of a batch, and, in the same processes, a
 single-process reference from the same initial weights on the whole batch. Each rank reports
 what it saw; the tests read the report. The end-to-end path (run.py's
-launcher, MLflow, best.pt) is `test_contract.py`'s `pipeline-*` case; bad input is refused
+launcher, MLflow, best.pt) is `test_contract.py`'s `vit-pipeline-1f1b` case; bad input is refused
 before any worker starts (`test_refused_before_any_worker`).
 """
 
