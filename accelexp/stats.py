@@ -172,8 +172,11 @@ def rate(
 ) -> Estimate:
     """Throughput (units/s) from step durations, with the inverted batch-means interval.
 
-    The value uses the mean of all the step times given; the interval uses the values the
-    batch means keep. No interval when the time's lower bound is not positive.
+    The value uses the mean of all the step times given; the interval is the batch means'
+    half-width (from the values they keep) about that mean, so the value is always inside it
+    (about the batch means' own mean, a remainder of slow steps left the value outside its
+    interval, and the report's error bar with it). No interval when the time's lower bound is
+    not positive.
     """
     seconds = _array(step_seconds, "rate")
     mean_seconds = float(seconds.mean())
@@ -181,10 +184,17 @@ def rate(
         raise ValueError("rate needs positive step times and units per step")
     value = units_per_step / mean_seconds
     time = batch_means(seconds, confidence)
-    if not time.has_interval or time.low <= 0:
+    if not time.has_interval:
+        return Estimate(value, n=time.n)
+    half = time.value - time.low
+    if mean_seconds - half <= 0:
         return Estimate(value, n=time.n)
     return Estimate(
-        value, units_per_step / time.high, units_per_step / time.low, time.n, time.method
+        value,
+        units_per_step / (mean_seconds + half),
+        units_per_step / (mean_seconds - half),
+        time.n,
+        time.method,
     )
 
 

@@ -77,8 +77,14 @@ def test_rate_inverts_the_time_interval():
     # 13 steps -> 3 batches of 4 (the 0.34 dropped): means 0.20, 0.21, 0.22, sd 0.01
     half = T_975_2 * 0.01 / math.sqrt(3)
     e = rate(steps, units_per_step=64)
-    # the value uses all 13 steps: mean (2.52 + 0.34) / 13 = 0.22
-    assert_interval(e, 64 / 0.22, 64 / (0.21 + half), 64 / (0.21 - half))
+    # the value uses all 13 steps: mean (2.52 + 0.34) / 13 = 0.22; the interval is the batch
+    # means' half-width about it
+    assert_interval(e, 64 / 0.22, 64 / (0.22 + half), 64 / (0.22 - half))
+    # a tail of slow steps the batches leave out moves the value: its interval goes with it
+    # (20 steps of 0.100 and 0.101 s in turn, 4 batches of 5, then 2 fast ones of 0.05 s: about
+    # the batch means alone the value, 667/s, was above the interval's top, 638/s)
+    tail = rate([0.100, 0.101] * 10 + [0.05] * 2, units_per_step=64)
+    assert tail.low < tail.value < tail.high and tail.value == approx(64 / (2.11 / 22))
     # batch means 0.1, 0.2, 0.3: the time's lower bound 0.2 - 4.30 * 0.1 / √3 < 0, no interval
     noisy = rate([0.1] * 4 + [0.2] * 4 + [0.3] * 4, units_per_step=64)
     assert noisy.value == approx(64 / 0.2) and not noisy.has_interval

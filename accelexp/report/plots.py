@@ -240,7 +240,7 @@ def _draw_series(
             continue
         value = getattr(row, metric)
         axes.errorbar(
-            workers + offsets[label], value, yerr=[[value - low], [high - value]],
+            workers + offsets[label], value, yerr=_yerr([value], [(low, high)]),
             color=styles[label][0], capsize=4, linewidth=1.2,
         )  # fmt: skip
     return drawn
@@ -254,12 +254,17 @@ def _bounds(row: Any, metric: str) -> tuple[float | None, float | None]:
 def _yerr(
     heights: Sequence[float], bounds: Sequence[tuple[float | None, float | None]]
 ) -> list[list[float]]:
-    """matplotlib's `yerr` (below, above) of bars of `heights`: 0 where a bar has no interval."""
+    """matplotlib's `yerr` (below, above) of points or bars of `heights`: 0 where one has no
+    interval, and where its figure is a hair outside its interval (each is logged to 5
+    significant digits on its own: a rounded bound can pass its value), which matplotlib
+    refuses as a negative error."""
     below = [
-        h - low if low is not None else 0.0 for h, (low, _) in zip(heights, bounds, strict=True)
+        max(h - low, 0.0) if low is not None else 0.0
+        for h, (low, _) in zip(heights, bounds, strict=True)
     ]
     above = [
-        high - h if high is not None else 0.0 for h, (_, high) in zip(heights, bounds, strict=True)
+        max(high - h, 0.0) if high is not None else 0.0
+        for h, (_, high) in zip(heights, bounds, strict=True)
     ]
     return [below, above]
 
@@ -488,9 +493,8 @@ def accuracy_vs_time_figure(rows: Sequence[Row], records: Sequence[RunRecord]) -
         x, y, low, high = zip(*curve, strict=True)
         axes.plot(x, y, color=colour, marker=marker, label=label)
         if runs > 1:
-            below = [v - lo for v, lo in zip(y, low, strict=True)]
-            above = [hi - v for v, hi in zip(y, high, strict=True)]
-            axes.errorbar(x, y, yerr=[below, above], color=colour, capsize=3, linestyle="none")
+            errors = _yerr(y, list(zip(low, high, strict=True)))
+            axes.errorbar(x, y, yerr=errors, color=colour, capsize=3, linestyle="none")
     axes.set_xlim(left=0)
     axes.set_ylim(*accuracy_limits(curve for _, curve, _ in curves))
     axes.set_xlabel("elapsed training time (s)")
