@@ -255,9 +255,9 @@ def _yerr(
     heights: Sequence[float], bounds: Sequence[tuple[float | None, float | None]]
 ) -> list[list[float]]:
     """matplotlib's `yerr` (below, above) of points or bars of `heights`: 0 where one has no
-    interval, and where its figure is a hair outside its interval (each is logged to 5
-    significant digits on its own: a rounded bound can pass its value), which matplotlib
-    refuses as a negative error."""
+    interval, never negative (a figure outside its interval, which `accelexp.stats` does not
+    make but a run logged by an older version may hold, would stop matplotlib, and with it the
+    whole report)."""
     below = [
         max(h - low, 0.0) if low is not None else 0.0
         for h, (low, _) in zip(heights, bounds, strict=True)
