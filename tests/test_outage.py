@@ -150,6 +150,16 @@ def runs_by_folder(store: str) -> dict[str, object]:
     return {Path(run.data.tags["output_dir"]).parent.name: run for run in runs}
 
 
+def steps_as_stored(store: str, run_id: str) -> list[int]:
+    """The steps of a run's `train_loss` points in the order the store took them."""
+    with sqlite3.connect(store.removeprefix("sqlite:///")) as db:
+        rows = db.execute(
+            "SELECT step FROM metrics WHERE run_uuid = ? AND key = 'train_loss' ORDER BY rowid",
+            (run_id,),
+        )
+        return [step for (step,) in rows]
+
+
 def test_a_server_gone_for_a_while_costs_the_run_no_time_and_no_data(outage):
     """Killed after epoch 1 and back seconds later: the run goes on training meanwhile (no
     epoch's wall time, `elapsed_s` from one epoch to the next, takes in the outage), says so in
@@ -167,12 +177,7 @@ def test_a_server_gone_for_a_while_costs_the_run_no_time_and_no_data(outage):
     assert sorted(m.step for m in elapsed) == list(range(1, EPOCHS + 1))
     assert "test_acc" in run.data.metrics  # the run's end, logged after its last epoch
     # sent in order: the store took each metric's points in the order of their steps
-    with sqlite3.connect(built["store"].removeprefix("sqlite:///")) as db:
-        steps = [s for (s,) in db.execute(
-            "SELECT step FROM metrics WHERE run_uuid = ? AND key = 'train_loss' ORDER BY rowid",
-            (run.info.run_id,),
-        )]  # fmt: skip
-    assert steps == list(range(1, EPOCHS + 1))
+    assert steps_as_stored(built["store"], run.info.run_id) == list(range(1, EPOCHS + 1))
     # no epoch waited for the server: each epoch's wall time (train, evaluate, log, checkpoint)
     # is a small fraction of the outage; waiting on the server, one would hold most of it
     walls = [b.value - a.value for a, b in itertools.pairwise(elapsed)]
@@ -213,12 +218,7 @@ def test_a_server_gone_past_the_budget_stops_the_run_with_one_message_and_its_ch
     code, said = built["resumed"]
     assert code == 0, said
     assert run.info.status == "FINISHED", "resumed to its end"
-    with sqlite3.connect(built["store"].removeprefix("sqlite:///")) as db:
-        steps = [s for (s,) in db.execute(
-            "SELECT step FROM metrics WHERE run_uuid = ? AND key = 'train_loss' ORDER BY rowid",
-            (run.info.run_id,),
-        )]  # fmt: skip
-    assert steps == list(range(1, EPOCHS + 1))
+    assert steps_as_stored(built["store"], run.info.run_id) == list(range(1, EPOCHS + 1))
     assert not (last.parent / UNSENT).exists()
 
 
