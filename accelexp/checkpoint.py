@@ -28,8 +28,9 @@ gathers none of it: every rank writes its shards of the model's and optimizer's 
 The shards' sizes and sha256s are in `last.pt`'s record, checked with it; the folder counts only
 once a whole `last.pt` names it, so a save cut short leaves the previous checkpoint the one
 resumed, and folders no checkpoint names are removed by the next save. DCP reshards on load:
-such a checkpoint resumes on another number of workers (`parallelism.nprocs`, and the batch
-split with it: `data.batch_size`, `parallelism.accumulate_steps`). The run folder must be on a
+such a checkpoint resumes on a world of another shape (`parallelism.nprocs`, a pipeline's
+`parallelism.pp`, and the batch split with it: `data.batch_size`,
+`parallelism.accumulate_steps`). The run folder must be on a
 filesystem every rank sees. `read_whole` reads any `last.pt` back as one dict of plain tensors,
 in one process.
 
@@ -65,8 +66,6 @@ log = logging.getLogger(__name__)
 
 LAST, BEST, PREVIOUS = "last.pt", "best.pt", "previous.pt"
 SHARDS = "state-"  # the folders of sharded training states: state-e0002-<hex>
-# what may change on resuming a sharded checkpoint at another `parallelism.nprocs`: the world's
-# size, and how its global batch is split (keep it: data.batch_size x nprocs x accumulate_steps)
 # the world's shape (workers; ranks per pipeline, the rest its replicas), and how a global
 # batch is split over it: a sharded checkpoint resumes on another shape (DCP reshards it)
 WORLD_SHAPE = ("parallelism.nprocs", "parallelism.pp")

@@ -12,9 +12,9 @@ waits on the returned `RunOperations`. So accelexp keeps its own queue:
   quietly, until the server answers or `mlflow.outage_budget_s` has passed since it went: one
   warning when it goes, one when it is back, nothing lost. Past the budget, the next call of the
   run raises one `ServerGoneError` naming the server and what to do, and the writes the server
-  did not take are kept in the job's folder (`UNSENT`): the run's resume sends them first, so
-  the epochs trained during the outage keep their figures. MLflow's own urllib3 retries are off
-  in such a process (`quiet_retries`): the budget is the one policy.
+  did not take are kept beside the run's checkpoints (`UNSENT`): the run's resume sends them
+  first, so the epochs trained during the outage keep their figures. MLflow's own urllib3
+  retries are off in such a process (`quiet_retries`): the budget is the one policy.
 
 Only a tracking server (`http(s)://`) is written this way: a SQLite store is a local file,
 written in the loop's thread as before.
@@ -54,7 +54,7 @@ GONE_TEXTS = (
     "timeout exception",
 )
 
-UNSENT = "mlflow_unsent.pkl"  # in the job's folder: the writes a server gone too long did not take
+UNSENT = "mlflow_unsent.pkl"  # beside the checkpoints: writes a server gone too long did not take
 T = TypeVar("T")
 
 
