@@ -66,9 +66,10 @@ log = logging.getLogger(__name__)
 
 LAST, BEST, PREVIOUS = "last.pt", "best.pt", "previous.pt"
 SHARDS = "state-"  # the folders of sharded training states: state-e0002-<hex>
-# the world's shape (workers; ranks per pipeline, the rest its replicas), and how a global
-# batch is split over it: a sharded checkpoint resumes on another shape (DCP reshards it)
-WORLD_SHAPE = ("parallelism.nprocs", "parallelism.pp")
+# the world's shape (workers; ranks per pipeline, the rest its replicas, whose stages are
+# sharded over them or not), and how a global batch is split over it: a sharded checkpoint
+# resumes on another shape (DCP reshards it)
+WORLD_SHAPE = ("parallelism.nprocs", "parallelism.pp", "parallelism.dp_shard")
 WORLD_KEYS = (*WORLD_SHAPE, "data.batch_size", "parallelism.accumulate_steps")
 # restarts of one job: torchrun's restarts of its workers, Slurm's requeues of a job
 # and a lockstep job's fresh process after its epochs (accelexp.lockstep.gate.INCARNATION_ENV)

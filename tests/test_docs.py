@@ -55,7 +55,7 @@ import runpy
 import shlex
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -468,10 +468,28 @@ def check_run_py(command: Command, store: Store) -> None:
     run_tiny(run, configs, store.uri, store.folder)
 
 
+def _flag(args: Sequence[str], name: str) -> str | None:
+    """The value of the flag `name` in `args` (`--name V` or `--name=V`); None when absent."""
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1]
+    return None
+
+
 def check_launcher(command: Command, store: Store) -> None:
-    """torchrun/horovodrun/srun + run.py: the run.py part composed and validated."""
+    """torchrun/horovodrun/srun + run.py: the run.py part composed and validated, in the world
+    the launcher's flags make where they say its size (`launch.take_world_size`: the config
+    takes it)."""
     _, argv = command.words()
-    compose_and_validate(RunPy.parse(argv[argv.index("run.py") + 1 :]))
+    at = argv.index("run.py")
+    flags = argv[:at]
+    size = _flag(flags, "-np")
+    if (per_node := _flag(flags, "--nproc-per-node")) is not None:
+        size = str(int(per_node) * int(_flag(flags, "--nnodes") or 1))
+    world = [f"parallelism.nprocs={size}"] if size else []
+    compose_and_validate(RunPy.parse([*argv[at + 1 :], *world]))
 
 
 def tiny_sweep(experiment: str, folder: Path, template: Path) -> bool:

@@ -70,7 +70,7 @@ def joined_world(tmp_path_factory, mlflow_template_db):
                     *command,
                     "run.py",
                     *strategy,
-                    "parallelism.nprocs=1",  # ignored inside a world: its size is the launcher's
+                    "parallelism.nprocs=1",  # inside a world its size is the launcher's
                     "precision=amp",  # bf16 autocast on a CPU
                     "data=synthetic",
                     "data.num_train=256",
@@ -104,6 +104,8 @@ def test_run_py_joins_a_world_its_launcher_made(launcher, joined_world):
     runs = MlflowClient(uri).search_runs(["1"])
     assert len(runs) == 1  # only rank 0 tracks
     assert runs[0].data.params["world_size"] == "2"
+    # the config takes the world's size (its checks too: a pipeline's pp must divide it)
+    assert runs[0].data.params["parallelism.nprocs"] == "2"
     assert runs[0].info.status == "FINISHED"
 
 

@@ -3,7 +3,8 @@
 One torchrun launch of this file as a harness (`stepped`, built once a module): 4 real worker
 processes over Gloo build the product's strategy (`accelexp.parallel.build_strategy`) for every
 schedule the installed torch has, as 2 pipelines of 2 ranks (`parallelism.pp=2`: a 2-D mesh
-pp x dp, each stage's gradients averaged over dp), step it through the loop's step
+pp x dp, each stage's gradients averaged over dp; 1f1b once more with each stage sharded over
+dp, `parallelism.dp_shard`), step it through the loop's step
 (`accelexp.step.train_step`), each pipeline on its half of a batch, and, in the same processes, a
 single-process reference from the same initial weights on the whole batch. Each rank reports
 what it saw; the tests read the report. The end-to-end path (run.py's
@@ -35,6 +36,7 @@ def _stepped_in_this_worker(out: Path) -> None:
     """The harness, in each torchrun worker: every schedule against the reference."""
     import torch
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
     from accelexp import checkpoint
     from accelexp.config import typed
@@ -48,11 +50,18 @@ def _stepped_in_this_worker(out: Path) -> None:
     sys.path.insert(0, str(HERE.parent))
     from conftest import EXACT, compose_config
 
+    def local(tensor: torch.Tensor) -> torch.Tensor:
+        """The part of `tensor` this rank holds (its shard, under `dp_shard`)."""
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # the strategies below join it: none tears it down
     rank = dist.get_rank()
     report: dict[str, dict] = {}
-    for schedule in available_schedules():
+    cases = [(schedule, False) for schedule in available_schedules()]
+    cases.append(("1f1b", True))  # each stage sharded over dp (FSDP2)
+    for schedule, sharded in cases:
+        name = f"{schedule}+dp_shard" if sharded else schedule
         cfg = typed(
             compose_config(
                 "sqlite:///unused.db",
@@ -62,6 +71,7 @@ def _stepped_in_this_worker(out: Path) -> None:
                 f"parallelism.pp={PP}",
                 f"parallelism.schedule={schedule}",
                 f"parallelism.microbatches={MICROBATCHES}",
+                f"parallelism.dp_shard={sharded}",
                 f"data.batch_size={BATCH}",
             )
         )
@@ -105,42 +115,49 @@ def _stepped_in_this_worker(out: Path) -> None:
             eval_apart = (placed(images) - reference(images)).abs().max().item()
         # the training state through DCP (`save_shards`, as `last.pt` saves it): each rank its
         # stages' shards, by the whole model's names; a resume reads them back (below)
-        trained = {k: v.clone() for k, v in placed.state_dict().items()}
-        momenta = [s["momentum_buffer"].clone() for s in optimizer.state_dict()["state"].values()]
+        trained = {k: local(v).clone() for k, v in placed.state_dict().items()}
+        momenta = [local(s["momentum_buffer"]).clone() for s in optimizer.state.values()]
         shards = checkpoint.save_shards(
-            out / schedule, strategy.sharded_state_dict(placed, optimizer), 1, strategy.sync,
+            out / name, strategy.sharded_state_dict(placed, optimizer), 1, strategy.sync,
             rank, RANKS,
         )  # fmt: skip
         if rank == 0:  # last.pt naming them (`read_whole`'s), and the gathered model beside it
-            checkpoint.save(out / schedule / "last.pt", {"shards": shards, "run_id": None})
-            torch.save(whole, out / schedule / "gathered.pt")
-        folder = out / schedule / strategy.sync.broadcast_object(shards and shards["folder"])
+            checkpoint.save(out / name / "last.pt", {"shards": shards, "run_id": None})
+            torch.save(whole, out / name / "gathered.pt")
+        folder = out / name / strategy.sync.broadcast_object(shards and shards["folder"])
         # the whole model's weights back into the stages (best.pt's test, a resume)
         fresh = build_model(cfg.model, 3, 10, cfg.data.image_size).state_dict()
         strategy.load_model_state_dict(placed, strategy.sync.broadcast_object(fresh))
         again = strategy.model_state_dict(placed)
         reloaded = None if again is None else all(torch.equal(again[k], fresh[k]) for k in fresh)
-        # the optimizer's state: saved on rank 0 (per pipeline rank), each rank's back (a resume)
-        saved = strategy.optimizer_state_dict(placed, optimizer)
-        for state in optimizer.state.values():  # lost, as in a fresh process
-            state["momentum_buffer"].zero_()
-        strategy.load_optimizer_state_dict(placed, optimizer, strategy.sync.broadcast_object(saved))
-        resumed = [s["momentum_buffer"] for s in optimizer.state_dict()["state"].values()]
-        optimizer_resumed = len(momenta) > 0 and all(
-            torch.equal(a, b) for a, b in zip(momenta, resumed, strict=True)
-        )
+        # the optimizer's state: saved on rank 0 (per pipeline rank), each rank's back (a
+        # resume of a `last.pt` written gathered, before checkpoints were sharded: never sharded)
+        saved = optimizer_resumed = None
+        if not sharded:
+            saved = strategy.optimizer_state_dict(placed, optimizer)
+            for state in optimizer.state.values():  # lost, as in a fresh process
+                state["momentum_buffer"].zero_()
+            strategy.load_optimizer_state_dict(
+                placed, optimizer, strategy.sync.broadcast_object(saved)
+            )
+            resumed = [s["momentum_buffer"] for s in optimizer.state.values()]
+            optimizer_resumed = len(momenta) > 0 and all(
+                torch.equal(a, b) for a, b in zip(momenta, resumed, strict=True)
+            )
         # the resume of the sharded state: fresh weights and lost momenta, then the shards read
         for state in optimizer.state.values():
             state["momentum_buffer"].zero_()
         filled = strategy.sharded_state_dict(placed, optimizer)
         checkpoint.read_shards(folder, filled)
         strategy.load_sharded_state_dict(placed, optimizer, filled)
-        after = optimizer.state_dict()["state"].values()
-        shards_resumed = all(torch.equal(v, trained[k]) for k, v in placed.state_dict().items())
-        shards_resumed &= all(
-            torch.equal(a, s["momentum_buffer"]) for a, s in zip(momenta, after, strict=True)
+        after = optimizer.state.values()
+        shards_resumed = all(
+            torch.equal(local(v), trained[k]) for k, v in placed.state_dict().items()
         )
-        report[schedule] = {
+        shards_resumed &= all(
+            torch.equal(a, local(s["momentum_buffer"])) for a, s in zip(momenta, after, strict=True)
+        )
+        report[name] = {
             "losses": losses,
             "expected_losses": expected_losses,
             "logits_apart": logits_apart,
@@ -155,16 +172,19 @@ def _stepped_in_this_worker(out: Path) -> None:
             "stage": strategy.shape.stage,
             "train_shard": list(strategy.train_sampler(4 * REPLICAS, seed=0)),
             "own_params": sum(p.numel() for p in placed.parameters()),
+            "held_params": sum(local(p).numel() for p in placed.parameters()),
             "all_params": sum(p.numel() for p in reference.parameters()),
         }
-    report["pp4"] = _resharded(out, cfg.model, rank)
+    for source in ("gpipe", "1f1b+dp_shard"):
+        report[f"pp4-from-{source}"] = _resharded(out, source, cfg.model, rank)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
 
-def _resharded(out: Path, model_cfg, rank: int) -> dict:
-    """In the same workers: gpipe's checkpoint (2 stages x 2 replicas) read by one pipeline of 4
-    stages (`parallelism.pp=4`); each rank keeps what it read, by the whole model's names."""
+def _resharded(out: Path, source: str, model_cfg, rank: int) -> dict:
+    """In the same workers: `source`'s checkpoint (2 stages x 2 replicas) read by one pipeline
+    of 4 stages (`parallelism.pp=4`), unsharded; each rank keeps what it read, by the whole
+    model's names."""
     import torch
 
     from accelexp import checkpoint
@@ -184,11 +204,9 @@ def _resharded(out: Path, model_cfg, rank: int) -> dict:
     placed = strategy.wrap_model(build_model(model_cfg, 3, 10, cfg.data.image_size))
     optimizer = torch.optim.SGD(placed.parameters(), lr=0.5, momentum=0.9)
     state = strategy.sharded_state_dict(placed, optimizer)
-    checkpoint.read_shards(
-        Path(checkpoint.load(out / "gpipe" / "last.pt")["shards"]["path"]), state
-    )
+    checkpoint.read_shards(Path(checkpoint.load(out / source / "last.pt")["shards"]["path"]), state)
     strategy.load_sharded_state_dict(placed, optimizer, state)
-    torch.save(strategy.sharded_state_dict(placed, optimizer), out / f"pp4-rank{rank}.pt")
+    torch.save(strategy.sharded_state_dict(placed, optimizer), out / f"pp4-from-{source}-{rank}.pt")
     return {"stage": strategy.shape.stage, "params": sum(p.numel() for p in placed.parameters())}
 
 
@@ -214,10 +232,11 @@ def stepped(harness) -> dict[int, dict[str, dict]]:
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SHARDED = "1f1b+dp_shard"  # each stage sharded over the 2 pipelines by FSDP2 (`dp_shard`)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", [*SCHEDULES, SHARDED])
 def test_each_schedule_trains_what_one_process_trains(stepped, schedule):
     if schedule not in stepped[0]:
         pytest.skip(f"this torch has no {schedule} schedule")
@@ -241,24 +260,38 @@ def test_each_schedule_trains_what_one_process_trains(stepped, schedule):
         assert mine["eval_apart"] < 1e-4, rank
         assert 0 < mine["own_params"] < mine["all_params"], rank  # its own stages only
         assert (mine["params_apart"] is None) == (rank != 0)
+    for replica0, replica1 in zip(*by_replica.values(), strict=True):  # the same stages
+        held = replica0["held_params"], replica1["held_params"]
+        if schedule == SHARDED:  # each of the two pipelines half of them, together all
+            assert max(held) < replica0["own_params"] == sum(held), held
+        else:
+            assert held == (replica0["own_params"],) * REPLICAS
     main = seen[0]
     # the whole model, gathered on rank 0, is what one process trained on the whole batch: the
-    # gradients were averaged over the pipelines (dp)
+    # gradients were averaged over the pipelines (dp), or reduce-scattered to their shards
     assert main["params_apart"] < 1e-5
     assert main["reloaded"] is True
-    assert main["saved_ranks"] == PP  # the first pipeline's ranks' optimizer states
-    assert all(mine["optimizer_resumed"] for mine in seen.values())
+    if schedule != SHARDED:  # a `last.pt` written gathered (before sharded ones) resumes
+        assert main["saved_ranks"] == PP  # the first pipeline's ranks' optimizer states
+        assert all(mine["optimizer_resumed"] for mine in seen.values())
     # the same state saved through DCP (`save_shards`) and read back (`read_shards`): bitwise
     assert all(mine["shards_resumed"] for mine in seen.values())
     assert main["stages"] == (4 if schedule.startswith(("interleaved", "zero")) else 2)
 
 
+# who writes a checkpoint of 2 stages x 2 replicas: a replicated stage once (the first
+# pipeline's ranks, world ranks 0 and 2), a sharded one by each rank (its shard)
+WRITERS = {"gpipe": {0, 2}, SHARDED: {0, 1, 2, 3}}
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # this process: no world
-def test_a_pipeline_checkpoint_holds_the_whole_model_by_name_and_reshards(harness, stepped):
-    """gpipe's checkpoint (2 stages x 2 replicas, `save_shards`): its shards are the whole
-    model by the plain model's names, written once (the first pipeline's ranks); a pipeline of 4
-    stages and one process with the plain model each read the whole of it back."""
+@pytest.mark.parametrize("source", WRITERS)
+def test_a_pipeline_checkpoint_holds_the_whole_model_by_name_and_reshards(harness, stepped, source):
+    """A checkpoint of 2 stages x 2 replicas (`save_shards`), each stage replicated (gpipe) or
+    sharded over the replicas (`dp_shard`): its shards are the whole model by the plain model's
+    names, each part written once; one unsharded pipeline of 4 stages and one process with the
+    plain model each read the whole of it back."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -271,19 +304,17 @@ def test_a_pipeline_checkpoint_holds_the_whole_model_by_name_and_reshards(harnes
     from accelexp.config import typed
     from accelexp.models import build_model
 
-    last = harness / "gpipe" / "last.pt"
+    last = harness / source / "last.pt"
     whole = checkpoint.read_whole(last)  # read from the shards in this process
-    gathered = torch.load(harness / "gpipe" / "gathered.pt", weights_only=True)  # best.pt's
+    gathered = torch.load(harness / source / "gathered.pt", weights_only=True)  # best.pt's
     assert whole["model"].keys() == gathered.keys()  # the whole model's names
     assert all(torch.equal(whole["model"][k], v) for k, v in gathered.items())
     momenta = {k for k in whole["optimizer"] if k.startswith("state.")}
     assert momenta == {f"state.{k}.momentum_buffer" for k in gathered}
-    # each key once, written by the first pipeline's ranks (world ranks 0 and 2), not a replica
     folder = Path(checkpoint.load(last)["shards"]["path"])
     metadata = dcp.FileSystemReader(folder).read_metadata()
-    assert {i.relative_path for i in metadata.storage_data.values()} == {
-        "__0_0.distcp", "__2_0.distcp"
-    }  # fmt: skip
+    written = {i.relative_path for i in metadata.storage_data.values()}
+    assert written == {f"__{rank}_0.distcp" for rank in WRITERS[source]}
 
     def same(got: dict, want: dict) -> bool:
         return got.keys() == want.keys() and all(
@@ -291,8 +322,11 @@ def test_a_pipeline_checkpoint_holds_the_whole_model_by_name_and_reshards(harnes
         )
 
     # one pipeline of 4 stages read it (4 ranks, each one stage): together, all of it, bitwise
-    assert sorted(stepped[r]["pp4"]["stage"] for r in range(RANKS)) == list(range(RANKS))
-    parts = [torch.load(harness / f"pp4-rank{r}.pt", weights_only=True) for r in range(RANKS)]
+    read = [stepped[r][f"pp4-from-{source}"]["stage"] for r in range(RANKS)]
+    assert sorted(read) == list(range(RANKS))
+    parts = [
+        torch.load(harness / f"pp4-from-{source}-{r}.pt", weights_only=True) for r in range(RANKS)
+    ]
     for key in ("model", "optimizer"):  # the optimizer's lr too (0.1 saved, built with 0.5)
         assert same({k: v for p in parts for k, v in p[key].items()}, whole[key]), key
 
@@ -325,7 +359,10 @@ def bad(overrides: str, named: str):
         bad("parallelism.schedule=interleaved_1f1b parallelism.microbatches=5 data.batch_size=20",
             "multiple of their rounds"),
         bad("parallelism.sync=horovod", "Horovod's collectives-only API"),
-        bad("parallelism.sync=fsdp", "pipeline x FSDP) is not built"),
+        bad("parallelism.sync=fsdp", "parallelism.dp_shard=true"),
+        bad("parallelism.dp_shard=true", "parallelism.dp_shard=true shards each stage over"),
+        bad("estimate=true parallelism.nprocs=4 parallelism.pp=2 parallelism.dp_shard=true",
+            "does not model a pipeline's stages sharded"),
         bad("parallelism.pp=3 parallelism.nprocs=4", "parallelism.pp=3 does not divide"),
         bad("parallelism.nprocs=1", "at least 2"),
         bad("parallelism.accumulate_steps=2", "parallelism.accumulate_steps=2"),

@@ -42,7 +42,7 @@ from accelexp.launch.output import WorkerOutput
 from accelexp.parallel import composition
 from accelexp.parallel.config import DDPConfig, FSDPConfig, ParallelismConfig
 from accelexp.parallel.rules import several_workers
-from accelexp.parallel.world import current_world, port_in_use
+from accelexp.parallel.world import World, current_world, port_in_use
 from accelexp.processes import JOB_ENV, die_with_parent, kill_job, new_job_token, stop_job
 from accelexp.signals import interruption
 from accelexp.tracking import credentials
@@ -54,13 +54,23 @@ class WorkerFailedError(AccelexpError):
     """A worker process failed; the message carries its error."""
 
 
+def take_world_size(cfg: DictConfig, world: World) -> None:
+    """A world its launcher made (torchrun, horovodrun, srun, mpirun) has the workers its flags
+    said, whatever `parallelism.nprocs` says (its default, under `torchrun --nproc-per-node=8`):
+    the config takes the world's size, so the checks (a pipeline's `pp` dividing it) and the
+    run's record hold the real one."""
+    if world.joined and cfg.parallelism.nprocs != world.world_size:
+        cfg.parallelism.nprocs = world.world_size
+
+
 def launch(cfg: DictConfig, output_dir: str | Path, overrides: Sequence[str] = ()) -> dict:
     """Run the job here, or start its workers and wait for them; returns rank 0's final metrics."""
     from accelexp.config.resources import check_resources
 
+    world = current_world()
+    take_world_size(cfg, world)
     validate(cfg)
     output_dir = Path(output_dir)
-    world = current_world()
     nprocs = cfg.parallelism.nprocs
     if world.joined or nprocs == 1:  # the job trains in this process
         check_resources(cfg, workers=1)

@@ -127,7 +127,8 @@ class PipelineConfig(ParallelismConfig):
     ranks (null: one pipeline of all of them), pipeline rank p holding stage p (interleaved
     schedules: stages p and p + pp), activations sent between the processes; a schedule drives
     each step's micro-batches. nprocs / pp pipelines are data-parallel replicas: a 2-D mesh
-    `pp` x `dp`, each stage's gradients averaged over `dp`."""
+    `pp` x `dp`, each stage's gradients averaged over `dp` (`dp_shard`: each stage sharded
+    over `dp` by FSDP2, torchtitan's pp x fsdp)."""
 
     name: str = option_name("pipeline")
     placement: str = like(ParallelismConfig, "placement", "stages per rank")
@@ -144,6 +145,11 @@ class PipelineConfig(ParallelismConfig):
         None,
         "ranks per pipeline; null: all nprocs. Fewer: nprocs / pp pipelines in data "
         "parallel (gradients averaged over the mesh's dp dimension)",
+    )
+    dp_shard: bool = key(
+        False,
+        "shard each stage over the dp dimension (FSDP2: its parameters, gradients and "
+        "optimizer state split over the pipelines); false: each pipeline a whole copy",
     )
     backend: str = like(DDPConfig, "backend")
     master_port: int | None = like(DDPConfig, "master_port")

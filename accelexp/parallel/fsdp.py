@@ -46,6 +46,7 @@ On the CPU, Gloo runs FSDP2's all-gather and reduce-scatter (torch 2.11 and 2.14
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -102,6 +103,48 @@ def compile_layers(model: nn.Module, mode: str) -> int:
     return compiled
 
 
+def shard_units(
+    units: Sequence[nn.Module],
+    root: nn.Module,
+    mesh,
+    precision: Precision,
+    *,
+    reshard_after_forward: bool,
+    reduce_in_fp32: bool = True,
+    cpu_offload: bool = False,
+) -> tuple[int, int]:
+    """Each of `units` (a model's layers, in order), then `root` with what is left, made an
+    FSDP2 unit sharded over `mesh`, in the run's `precision` (the module docstring's mixed
+    precision and fp32 BatchNorm groups). Returns how many units and fp32 BatchNorm groups."""
+    dtype = precision.compute_dtype  # the parameters' in forward and backward; None: fp32
+    # None: the parameters are stored in the compute dtype already (bf16_true)
+    cast = precision.cast_param_dtype
+    options = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=cast, reduce_dtype=precision.reduce_dtype(reduce_in_fp32)
+        ),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    # BatchNorm keeps fp32 weights, as FSDP1's MixedPrecision does by default: its running
+    # statistics are fp32 buffers, and batch_norm takes low-precision inputs with fp32
+    # weights and statistics, not bf16/fp16 weights with fp32 statistics
+    norm_options = {**options, "mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32)}
+    count, norm_groups, grouped = 0, 0, set()
+    for unit in [*units, root]:
+        # under mixed precision or bf16_true, the unit's BatchNorms not yet in one are sharded
+        # first, as one group that keeps fp32 weights (one all-gather)
+        norms = [m for m in unit.modules() if isinstance(m, _BatchNorm) and m not in grouped]
+        grouped.update(norms)
+        if dtype is not None and norms and norms != [unit]:
+            fully_shard(norms, **norm_options)
+            norm_groups += 1
+        fully_shard(unit, **(norm_options if isinstance(unit, _BatchNorm) else options))
+        count += 1
+    return count, norm_groups
+
+
 class FSDPSync(TorchDistributed):
     cfg: FSDPConfig
     name = "fsdp"
@@ -120,40 +163,18 @@ class FSDPSync(TorchDistributed):
         self, model: nn.Module, precision: Precision, compile_mode: str | None = None
     ) -> nn.Module:
         cfg = self.cfg
-        dtype = precision.compute_dtype  # the parameters' in forward and backward; None: fp32
-        reduce_dtype = precision.reduce_dtype(cfg.reduce_in_fp32)
-        # None: the parameters are stored in the compute dtype already (bf16_true)
-        cast = precision.cast_param_dtype
-        options = {
-            "mesh": self.mesh,
-            "reshard_after_forward": cfg.reshard_after_forward,
-            "mp_policy": MixedPrecisionPolicy(param_dtype=cast, reduce_dtype=reduce_dtype),
-            "offload_policy": CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
-        }
-        # BatchNorm keeps fp32 weights, as FSDP1's MixedPrecision does by default: its running
-        # statistics are fp32 buffers, and batch_norm takes low-precision inputs with fp32
-        # weights and statistics, not bf16/fp16 weights with fp32 statistics
-        norm_options = {**options, "mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32)}
-        self.units, self.norm_groups, grouped = 0, 0, set()
-
-        def shard(unit: nn.Module) -> None:
-            """`unit` becomes an FSDP unit; under mixed precision or bf16_true, its BatchNorms
-            not yet in one are sharded first, as one group that keeps fp32 weights (one
-            all-gather)."""
-            norms = [m for m in unit.modules() if isinstance(m, _BatchNorm) and m not in grouped]
-            grouped.update(norms)
-            if dtype is not None and norms and norms != [unit]:
-                fully_shard(norms, **norm_options)
-                self.norm_groups += 1
-            fully_shard(unit, **(norm_options if isinstance(unit, _BatchNorm) else options))
-            self.units += 1
-
         if compile_mode:
             self.compiled = compile_layers(model, compile_mode)
-        if cfg.granularity == "block":
-            for layer in own_layers(model):
-                shard(layer)
-        shard(model)
+        units = own_layers(model) if cfg.granularity == "block" else []
+        self.units, self.norm_groups = shard_units(
+            units,
+            model,
+            self.mesh,
+            precision,
+            reshard_after_forward=cfg.reshard_after_forward,
+            reduce_in_fp32=cfg.reduce_in_fp32,
+            cpu_offload=cfg.cpu_offload,
+        )
         return model
 
     def describe(self) -> dict[str, int | str]:

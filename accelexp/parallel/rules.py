@@ -62,8 +62,9 @@ UNPAIRED = {
         "dimension"
     ),
     ("stages per rank", "fsdp"): (
-        "sharding each stage over the dp dimension (pipeline x FSDP) is not built: "
-        "parallelism.pp gives replicated (DDP-like) pipelines"
+        "parallelism=pipeline shards each stage over its data-parallel replicas itself (FSDP2 "
+        "over the mesh's dp dimension): parallelism.pp ranks per pipeline and "
+        "parallelism.dp_shard=true"
     ),
 }
 
@@ -194,6 +195,13 @@ def _rank_stages_problems(cfg: DictConfig) -> list[str]:
         problems.append(
             f"  parallelism.microbatches={micro} with parallelism.schedule={schedule} over "
             f"{ranks} ranks: {_schedule_refuses(schedule, micro, ranks)}."
+        )
+    if parallelism.get("dp_shard") and nprocs == ranks:
+        problems.append(
+            f"  parallelism.dp_shard=true shards each stage over the pipelines, but "
+            f"parallelism.nprocs={nprocs} makes one pipeline of {ranks} ranks: set parallelism.pp "
+            f"to the ranks of one pipeline (e.g. parallelism.pp={max(2, nprocs // 2)} for "
+            f"{nprocs // max(2, nprocs // 2)} pipelines), or parallelism.dp_shard=false."
         )
     if parallelism.accumulate_steps != 1:
         problems.append(

@@ -6,7 +6,12 @@ ranks (null: one of all of them). The world is a 2-D mesh (torchtitan's `pp` x `
 `DeviceMesh`; world rank = pipeline rank * replicas + replica, as `WorldShape` numbers it): each
 pipeline is a data-parallel replica on its shard of the data, and each stage's gradients are
 averaged over the ranks holding that stage (the dp dimension: one flat allreduce after the
-schedule's step, DDP's average without its overlap). The model's layer sequence
+schedule's step, DDP's average without its overlap). With `parallelism.dp_shard` each stage is
+sharded over the dp dimension instead (FSDP2, `StageLinks.wrap`: torchtitan's pp x fsdp): each
+rank holds 1/dp of its stages' parameters, gradients and optimizer state, gathers them for the
+step, and `PipelineStage` reduce-scatters the gradients after the step's last backward (DDP
+inside a `PipelineStage` fails on torch 2.14: its reducer asserts at the second step). The
+model's layer sequence
 (`accelexp.models.layer_sequence`) is cut into as many stages as a pipeline has ranks (two per
 rank under an interleaved schedule), balanced by parameter count as `parallelism=model` cuts it
 (`pipeline.split_layers`); pipeline rank p keeps stage p (interleaved: stages p and p + pp, the
@@ -27,10 +32,12 @@ on the whole batch, BatchNorm aside (it normalises each micro-batch, as in GPipe
 Checkpoints: `last.pt`'s model and optimizer are sharded (`StageLinks.checkpoint_sharded`):
 each rank writes its stages' states with torch.distributed.checkpoint, keyed by the whole
 model's parameter names (`RankPipeline.fqns`; the optimizer's flattened by parameter), so a
-pipeline of another depth, or one process with the plain model, reads them back; a replica's
-copy is written once (the lowest rank's: the first pipeline's). `best.pt` is the whole model
-gathered on rank 0 (`whole_state`: the first pipeline's ranks send theirs to rank 0 alone,
-`gather_object`; it loads anywhere), and each rank takes its own layers back from it; a `last.pt`
+pipeline of another depth or sharding, or one process with the plain model, reads them back; a
+replica's copy is written once (the lowest rank's: the first pipeline's), a sharded stage's
+shards by their ranks. `best.pt` is the whole model gathered on rank 0 (`whole_state`: a
+sharded stage's shards gathered first, then the first pipeline's ranks send theirs to rank 0
+alone, `gather_object`; it loads anywhere), and each rank takes its own layers back from it (its
+shard of them: `StageLinks.load_model_state_dict`); a `last.pt`
 written gathered before keeps the optimizer's state per pipeline rank (`{"ranks": [...]}`),
 which a resume of the same pipeline depth reads.
 """
@@ -53,6 +60,7 @@ from accelexp.parallel.config import PIPELINE_SCHEDULES, PipelineConfig
 from accelexp.parallel.distributed import TorchDistributed
 from accelexp.parallel.pipeline import split_layers
 from accelexp.parallel.world import World, WorldShape
+from accelexp.precision.runtime import Precision
 from accelexp.timing import BACKWARD, FORWARD
 
 # parallelism.schedule -> the class of torch.distributed.pipelining that runs it
@@ -111,8 +119,10 @@ def _renamed(state: dict, names: dict[str, str], flat_optimizer: bool) -> dict:
 
 class StageLinks(TorchDistributed):
     """The sync of a pipeline across ranks: torch.distributed's world (the launcher, Gloo or
-    NCCL, the collectives the loop sums its figures with); one replica, every parameter on one
-    rank, so nothing to agree on: the activations travel by the placement's schedule.
+    NCCL, the collectives the loop sums its figures with); within a replica every parameter is
+    on one rank, so nothing to agree on: the activations travel by the placement's schedule.
+    Over the replicas, each stage is sharded by FSDP2 (`dp_shard`: `wrap`), or its gradients
+    averaged by the placement (`RankStages.average_over_replicas`).
 
     Checkpoints are sharded (`checkpoint_sharded`): each rank's stages' weights and optimizer
     state, keyed by the whole model's parameter names (`RankPipeline.fqns`), each rank writing
@@ -122,6 +132,45 @@ class StageLinks(TorchDistributed):
     name = "p2p"
     cfg: PipelineConfig
     checkpoint_sharded = True
+
+    def wrap(
+        self, model: nn.Module, precision: Precision, compile_mode: str | None = None
+    ) -> nn.Module:
+        """`parallelism.dp_shard`: each of this rank's stages (`model`: the `RankPipeline`)
+        sharded over the dp dimension by FSDP2, as torchtitan composes pp with fsdp: each layer
+        of a stage that holds parameters an FSDP unit, then the stage itself (the root, which
+        `PipelineStage` drives: it skips the reduce-scatter of each micro-batch's backward but
+        the step's last). Gathered parameters stay to the backward (`reshard_after_forward`
+        false, torchtitan's choice under pp: else each micro-batch gathers them twice); the
+        step's end frees them. Without replicas (`parallelism.pp` = nprocs) nothing to shard."""
+        if self.cfg.dp_shard and model.dp_mesh is not None:
+            from accelexp.parallel.fsdp import shard_units
+
+            for part in model.parts:
+                layers = [m for m in part.children() if any(True for _ in m.parameters())]
+                shard_units(layers, part, model.dp_mesh, precision, reshard_after_forward=False)
+            model.sharded = True
+        return model
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's stages' weights, whole: a stage sharded over dp (`dp_shard`) gathered
+        from its shards (collective over the dp dimension)."""
+        from torch.distributed.tensor import DTensor
+
+        return {
+            k: v.full_tensor() if isinstance(v, DTensor) else v
+            for k, v in model.state_dict().items()
+        }
+
+    def load_model_state_dict(self, model: nn.Module, state: dict | None) -> None:
+        """Whole weights of this rank's stages into them (a stage sharded over dp takes its
+        shard of each)."""
+        if not model.sharded:
+            model.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
     def sharded_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """This rank's stages' states by the whole model's names (`model`: the `RankPipeline`);
@@ -188,6 +237,8 @@ class RankPipeline(nn.Module):
         self.ranks = len(self.global_ranks)
         self.rank = self.global_ranks.index(dist.get_rank())
         self.fqns: dict[str, str] = {}  # this module's parameter names -> the whole model's
+        self.dp_mesh = None  # the ranks holding the same stages (the mesh's dp dimension)
+        self.sharded = False  # its stages sharded over them by FSDP2 (`StageLinks.wrap`)
 
     def owner(self, stage: int) -> int:
         """The pipeline rank holding `stage`."""
@@ -412,6 +463,7 @@ class RankStages(Placement):
         self.schedule = None
         self.pp_group: dist.ProcessGroup | None = None  # this rank's pipeline (set by start)
         self.dp_group: dist.ProcessGroup | None = None  # the ranks holding its stages (dp > 1)
+        self.dp_mesh = None  # the same ranks as a 1-D DeviceMesh (FSDP2's, `dp_shard`)
         self.stages: list = []
         self.split_points: list[int] = []
         self.spans: list[str] = []
@@ -422,9 +474,11 @@ class RankStages(Placement):
     @classmethod
     def label(cls, cfg: PipelineConfig) -> dict[str, str]:
         pp = getattr(cfg, "pp", None)
-        return ({"parallelism.pp": f"pp{pp}"} if pp else {}) | {
-            "parallelism.schedule": f"{cfg.schedule}-m{cfg.microbatches}"
-        }
+        return (
+            ({"parallelism.pp": f"pp{pp}"} if pp else {})
+            | ({"parallelism.dp_shard": "fsdp"} if getattr(cfg, "dp_shard", False) else {})
+            | {"parallelism.schedule": f"{cfg.schedule}-m{cfg.microbatches}"}
+        )
 
     def choose_devices(self, local_rank: int) -> list[torch.device]:
         self.devices = [resolve_device(self.device_request, local_rank)]
@@ -453,6 +507,7 @@ class RankStages(Placement):
         )
         self.pp_group = mesh.get_group("pp")
         self.dp_group = mesh.get_group("dp") if shape.replicas > 1 else None
+        self.dp_mesh = mesh["dp"] if shape.replicas > 1 else None
 
     # --- the model cut and placed -------------------------------------------------------------
     def place(self, model: nn.Module, input_shape: Sequence[int] | None = None) -> nn.Module:
@@ -488,6 +543,7 @@ class RankStages(Placement):
             self.pp_group,
             [p * replicas + replica for p in range(ranks)],
         )
+        pipeline.dp_mesh = self.dp_mesh
         whole = model.state_dict(keep_vars=True)
         key_of = {id(t): name for name, t in whole.items()}
         self.whole_keys = list(whole)
@@ -587,7 +643,8 @@ class RankStages(Placement):
             loss = torch.stack([loss.detach() for loss in losses]).mean()
             figures = torch.cat([loss.view(1), logits.detach().float().flatten()])
         figures = pipeline.share(figures)
-        self.average_over_replicas(self.pipeline.parameters())
+        if not pipeline.sharded:  # FSDP2 reduce-scattered them at the schedule's last backward
+            self.average_over_replicas(self.pipeline.parameters())
         clock.mark(BACKWARD)
         return figures[0], figures[1:].view(len(labels), -1)
 
