@@ -5,9 +5,9 @@ process group) as soon as the run's first epoch is checkpointed.
 Both cases share one store and one server, built once a session (`built_once`), which first takes
 tests/test_credentials.py's run with a password in its URI (one server start for both): gone for
 a while (restarted on the same port a second later; its start takes seconds more), the run loses
-nothing and waits for none of it; gone for good, past a tiny `mlflow.outage_budget_s`, the run
-stops with one message, its checkpoint kept and its run found by `resume=auto` once the store is
-read again.
+nothing and waits for none of it; hung past a tiny `mlflow.outage_budget_s` (SIGSTOP: it takes
+connections and never answers), the run stops with one message, its checkpoint kept and its run
+found by `resume=auto` once the server goes on (SIGCONT).
 """
 
 from __future__ import annotations
@@ -68,6 +68,12 @@ def kill(server: subprocess.Popen) -> None:
     server.wait(timeout=30)
 
 
+def hang(server: subprocess.Popen) -> None:
+    """The server hung: its process group stopped (SIGSTOP). The kernel still takes connections
+    to its port; nothing answers them."""
+    os.killpg(server.pid, signal.SIGSTOP)
+
+
 def tiny_run(url: str, *overrides: str) -> tuple[str, ...]:
     return (
         "data=synthetic", *TINY_DATA, "progress=false", "threads=1", f"epochs={EPOCHS}",
@@ -114,12 +120,12 @@ def outage_runs(folder: Path, template: Path) -> dict:
         watcher = when_checkpointed(folder / "within" / "job", kill_and_restart)
         within = run_here(None, *tiny_run(url), tmp_path=folder / "within")
         watcher.join(timeout=600)
-        watcher = when_checkpointed(folder / "too_long" / "job", lambda: kill(servers[-1]))
+        watcher = when_checkpointed(folder / "too_long" / "job", lambda: hang(servers[-1]))
         budget = f"mlflow.outage_budget_s={TOO_LONG_BUDGET_S}"
         too_long = run_here(None, *tiny_run(url, budget), tmp_path=folder / "too_long")
         watcher.join(timeout=600)
         unsent = (folder / "too_long" / "job" / "checkpoints" / UNSENT).is_file()
-        servers.append(start_server(store, folder, port))  # back: the run is resumed
+        os.killpg(servers[-1].pid, signal.SIGCONT)  # back: the run is resumed
         resumed = run_here(
             None, *tiny_run(url, budget, "resume=auto"), tmp_path=folder / "too_long"
         )
@@ -187,17 +193,19 @@ def test_a_server_gone_for_a_while_costs_the_run_no_time_and_no_data(outage):
 def test_a_server_gone_past_the_budget_stops_the_run_with_one_message_and_its_checkpoint(
     outage,
 ):
-    """Killed after epoch 1 for good, with mlflow.outage_budget_s=2: one warning when it goes,
-    then one message naming the server, the budget and what to do (resume=auto, the
-    checkpoint), exit 2; the checkpoint is kept, and the run, left RUNNING (its store could not
-    be told; the next command on this host marks it FAILED once its process is gone, as
-    test_stale_runs proves), is the unfinished run `resume=auto` takes."""
+    """Hung after epoch 1 (it takes connections, never answers), with mlflow.outage_budget_s=2:
+    one warning when it goes (a call timed out after the budget, not MLflow's 120 s), then one
+    message naming the server, the budget and what to do (resume=auto, the checkpoint), exit 2;
+    the checkpoint is kept, and the run, left RUNNING (its store could not be told; the next
+    command on this host marks it FAILED once its process is gone, as test_stale_runs proves),
+    is the unfinished run `resume=auto` takes."""
 
     folder, built = outage
     code, said = built["too_long"]
     assert code == 2, said
     url = said.split(GONE)[0].rsplit("server at ", 1)[1].strip()
     assert said.count(GONE) == 1 and BACK not in said, said
+    assert said.split(GONE)[1].startswith(" (timed out)"), said  # hung, not refused
     errors = [line for line in said.splitlines() if "[ERROR]" in line]
     assert len(errors) == 1, said
     assert f"tracking server at {url} has not answered" in errors[0]
@@ -227,3 +235,22 @@ def test_a_negative_outage_budget_is_refused(compose_cfg):
 
     with pytest.raises(ConfigError, match=r"mlflow.outage_budget_s=-1.*expected a number >= 0"):
         validate(compose_cfg("mlflow.outage_budget_s=-1"))
+
+
+def test_an_outage_counts_from_the_start_of_the_call_that_found_it():
+    """A server that never answers holds a call for its whole timeout: past the budget already
+    when it times out, the run stops then, without a second call waiting as long."""
+    from requests.exceptions import ReadTimeout
+
+    from accelexp.tracking.outage import Outage, ServerGoneError
+
+    calls = []
+
+    def hung() -> None:
+        calls.append(time.monotonic())
+        time.sleep(0.3)
+        raise ReadTimeout("Read timed out. (read timeout=0.3)")
+
+    with pytest.raises(ServerGoneError, match=r"longer than mlflow\.outage_budget_s=0\.2"):
+        Outage("http://127.0.0.1:1", budget_s=0.2).call(hung)
+    assert len(calls) == 1

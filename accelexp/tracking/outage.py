@@ -14,7 +14,9 @@ waits on the returned `RunOperations`. So accelexp keeps its own queue:
   run raises one `ServerGoneError` naming the server and what to do, and the writes the server
   did not take are kept beside the run's checkpoints (`UNSENT`): the run's resume sends them
   first, so the epochs trained during the outage keep their figures. MLflow's own urllib3
-  retries are off in such a process (`quiet_retries`): the budget is the one policy.
+  retries are off in such a process (`quiet_retries`): the budget is the one policy. A server
+  that takes connections and never answers (hung, stopped) is found gone when a call times out,
+  at most the budget after it started (`bound_request_timeout`), and the outage counts from it.
 
 Only a tracking server (`http(s)://`) is written this way: a SQLite store is a local file,
 written in the loop's thread as before.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 import os
 import pickle
 import threading
@@ -39,6 +42,9 @@ from accelexp.tracking.store import TrackingUnavailableError, error_chain, first
 log = logging.getLogger(__name__)
 
 RETRIES_ENV = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"  # MLflow's urllib3 retries (7 by default)
+TIMEOUT_ENV = "MLFLOW_HTTP_REQUEST_TIMEOUT"  # how long MLflow waits for an answer (120 s)
+MLFLOW_TIMEOUT_S = 120
+USER_TIMEOUT = os.environ.get(TIMEOUT_ENV)  # the user's own, which accelexp leaves alone
 FIRST_WAIT_S, LONGEST_WAIT_S = 0.25, 2.0  # between tries while the server is gone
 OUTAGE_BUDGET_S = 300.0  # mlflow.outage_budget_s of a config from before the key
 KILLED_FLUSH_S = 10.0  # a run stopped by a signal waits this long at most for its writes
@@ -73,13 +79,24 @@ def quiet_retries() -> None:
     os.environ.setdefault(RETRIES_ENV, "0")
 
 
+def bound_request_timeout(budget_s: float) -> None:
+    """MLflow's HTTP calls in this process wait at most `budget_s` for an answer (MLflow's own
+    120 s when the budget is longer; the user's `MLFLOW_HTTP_REQUEST_TIMEOUT` if set): a server
+    that takes the connection and never answers (hung, stopped) is found gone within the budget."""
+    if USER_TIMEOUT is None:
+        os.environ[TIMEOUT_ENV] = str(max(1, math.ceil(min(MLFLOW_TIMEOUT_S, budget_s))))
+
+
 def outage_for(mlflow_cfg: Any) -> Outage | None:
     """The `Outage` of the store `mlflow_cfg` names, when it is a tracking server (its urllib3
-    retries off in this process: `quiet_retries`); None for a database or a SQLite file."""
+    retries off in this process, `quiet_retries`; a call waits at most the budget for an answer,
+    `bound_request_timeout`); None for a database or a SQLite file."""
     if not is_server(mlflow_cfg.tracking_uri):
         return None
     quiet_retries()
-    return Outage(mlflow_cfg.tracking_uri, mlflow_cfg.get("outage_budget_s", OUTAGE_BUDGET_S))
+    budget_s = mlflow_cfg.get("outage_budget_s", OUTAGE_BUDGET_S)
+    bound_request_timeout(budget_s)
+    return Outage(mlflow_cfg.tracking_uri, budget_s)
 
 
 def server_gone(error: BaseException) -> bool:
@@ -113,6 +130,7 @@ class Outage:
         while True:
             if self.failure is not None:
                 raise self.failure
+            started = time.monotonic()
             try:
                 result = fn(*args, **kwargs)
             except ServerGoneError:  # a call within this one ran out of the budget
@@ -120,7 +138,7 @@ class Outage:
             except Exception as error:
                 if not server_gone(error):
                     raise
-                left = self._gone(error)
+                left = self._gone(error, started)
                 time.sleep(min(wait, max(left, 0.0)))
                 wait = min(2 * wait, LONGEST_WAIT_S)
                 continue
@@ -128,12 +146,14 @@ class Outage:
                 self._back()
             return result
 
-    def _gone(self, error: BaseException) -> float:
-        """Say the server went (once an outage); raise past the budget; else the time left."""
+    def _gone(self, error: BaseException, started: float) -> float:
+        """Say the server went (once an outage); raise past the budget; else the time left. The
+        outage counts from the start of the call that found it (`started`): a server that never
+        answers held that call for a whole request timeout."""
         with self._lock:
             now = time.monotonic()
             if self.since is None:
-                self.since = now
+                self.since = started
                 log.warning(
                     "The MLflow tracking server at %s does not answer (%s): training goes on, and "
                     "what the run logs waits here, in order, for up to %g s "
