@@ -254,3 +254,37 @@ def test_an_outage_counts_from_the_start_of_the_call_that_found_it():
     with pytest.raises(ServerGoneError, match=r"longer than mlflow\.outage_budget_s=0\.2"):
         Outage("http://127.0.0.1:1", budget_s=0.2).call(hung)
     assert len(calls) == 1
+
+
+def test_kept_writes_stay_kept_until_sent_and_are_sent_once(tmp_path):
+    """A resume that is killed while it sends the writes a server did not take resends only
+    those it had not sent; a writer that meets the server gone again keeps the rest once,
+    with its own writes after them; the file goes when the last is sent."""
+    import functools
+
+    from accelexp.tracking.outage import keep_unsent, take_unsent
+
+    class Client:  # a tracking client's method: what the file keeps is its name and arguments
+        def __init__(self) -> None:
+            self.got: list[int] = []
+
+        def log(self, value: int) -> None:
+            self.got.append(value)
+
+    path = tmp_path / UNSENT
+    written = Client()
+    assert keep_unsent(path, [("a point", functools.partial(written.log, v)) for v in (1, 2, 3)])
+    client = Client()
+    _, steps = take_unsent(path, client)
+    for _, step in steps[:3]:  # the first point and its mark, then the second: killed
+        step()
+    taken, steps = take_unsent(path, client)  # the next resume
+    assert len(steps) == 4  # points 2 and 3, each with its mark
+    steps[0][1]()  # point 2 sent again (it was in flight); then the server goes ...
+    queue = [*steps[1:], ("a new point", functools.partial(client.log, 4))]
+    assert keep_unsent(path, queue, taken) == 2  # point 3 and the new one, not twice
+    _, steps = take_unsent(path, client)
+    for _, step in steps:
+        step()
+    assert client.got == [1, 2, 2, 3, 4]
+    assert not path.exists() and not path.with_suffix(".sent").exists()

@@ -13,7 +13,8 @@ waits on the returned `RunOperations`. So accelexp keeps its own queue:
   warning when it goes, one when it is back, nothing lost. Past the budget, the next call of the
   run raises one `ServerGoneError` naming the server and what to do, and the writes the server
   did not take are kept beside the run's checkpoints (`UNSENT`): the run's resume sends them
-  first, so the epochs trained during the outage keep their figures. MLflow's own urllib3
+  first, so the epochs trained during the outage keep their figures, marking each sent (a
+  resume killed meanwhile resends only the rest; the file goes after the last). MLflow's own urllib3
   retries are off in such a process (`quiet_retries`): the budget is the one policy. A server
   that takes connections and never answers (hung, stopped) is found gone when a call times out,
   at most the budget after it started (`bound_request_timeout`), and the outage counts from it.
@@ -208,31 +209,83 @@ def _as_data(write: Callable[[], Any]) -> tuple[str, tuple, dict] | None:
     return method.__name__, write.args, write.keywords
 
 
-def keep_unsent(path: Path, writes: list[tuple[str, Callable[[], Any]]]) -> int:
-    """`writes` (what, write) into `path` (those already there first), for `take_unsent`; the
-    number kept."""
+def _read_kept(path: Path) -> tuple[str | None, list]:
+    """The writes kept in `path` and the token naming this keeping of them (None: a file of
+    before tokens, a plain list)."""
+    data = pickle.loads(path.read_bytes())
+    return (None, data) if isinstance(data, list) else (data["token"], data["writes"])
+
+
+def _progress(path: Path) -> Path:
+    return path.with_suffix(".sent")
+
+
+def _sent(path: Path, token: str | None) -> int:
+    """How many of the writes kept in `path` (under `token`) a resume has sent already."""
+    try:
+        said, count = _progress(path).read_text().split()
+    except (OSError, ValueError):
+        return 0
+    return int(count) if said == token else 0
+
+
+def _replace(path: Path, data: bytes) -> None:
+    partial_path = path.with_name(path.name + ".partial")
+    partial_path.write_bytes(data)
+    partial_path.replace(path)
+
+
+def keep_unsent(
+    path: Path, writes: list[tuple[str, Callable[[], Any]]], taken: str | None = None
+) -> int:
+    """`writes` (what, write) into `path`, for `take_unsent`, after the writes kept there
+    before that were not sent yet (unless they are the ones this writer `taken`: then they are
+    among `writes`); the number of `writes` kept."""
     kept = [(what, data) for what, write in writes if (data := _as_data(write)) is not None]
     if not kept:
         return 0
-    earlier = pickle.loads(path.read_bytes()) if path.is_file() else []
+    earlier: list = []
+    if path.is_file():
+        token, before = _read_kept(path)
+        if token is None or token != taken:
+            earlier = before[_sent(path, token) :]
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial_path = path.with_suffix(".partial")
-    partial_path.write_bytes(pickle.dumps(earlier + kept))
-    partial_path.replace(path)
+    _replace(path, pickle.dumps({"token": os.urandom(8).hex(), "writes": earlier + kept}))
+    _progress(path).unlink(missing_ok=True)
     return len(kept)
 
 
-def take_unsent(path: Path, client: Any) -> list[tuple[str, Callable[[], Any]]]:
-    """The writes `keep_unsent` kept in `path`, as calls of `client`'s methods, in order; the
-    file goes (a writer that cannot send them either keeps them again)."""
+class _Sent:
+    """A step of the writer's queue after the `count`th write kept in `path` (under `token`):
+    it marks them sent, so a process killed while sending them resends only the rest (the one in
+    flight at most twice); after the last, the file goes."""
+
+    def __init__(self, path: Path, token: str | None, count: int, last: bool) -> None:
+        self.path, self.token, self.count, self.last = path, token, count, last
+
+    def __call__(self) -> None:
+        if self.last:
+            self.path.unlink(missing_ok=True)
+            _progress(self.path).unlink(missing_ok=True)
+        else:
+            _replace(_progress(self.path), f"{self.token} {self.count}".encode())
+
+
+def take_unsent(path: Path, client: Any) -> tuple[str | None, list[tuple[str, Callable[[], Any]]]]:
+    """The writes `keep_unsent` kept in `path` and not yet sent, as calls of `client`'s methods
+    in order, each followed by a step that marks it sent (the file goes after the last), and
+    the token of that keeping (for the writer's `keep_unsent`, should the server go again)."""
     if not path.is_file():
-        return []
-    kept = pickle.loads(path.read_bytes())
-    path.unlink()
-    return [
-        (what, functools.partial(getattr(client, name), *args, **kwargs))
-        for what, (name, args, kwargs) in kept
-    ]
+        return None, []
+    token, kept = _read_kept(path)
+    done = _sent(path, token)
+    writes: list[tuple[str, Callable[[], Any]]] = []
+    for count, (what, (name, args, kwargs)) in enumerate(kept[done:], start=done + 1):
+        writes.append((what, functools.partial(getattr(client, name), *args, **kwargs)))
+        writes.append(("the kept writes' progress", _Sent(path, token, count, count == len(kept))))
+    if done == len(kept):  # all sent, the file not yet gone
+        writes.append(("the kept writes' progress", _Sent(path, token, done, last=True)))
+    return token, writes
 
 
 class Writer:
@@ -246,6 +299,7 @@ class Writer:
         self, outage: Outage, run_id: str | None = None, unsent: Path | None = None
     ) -> None:
         self.outage, self.run_id, self.unsent = outage, run_id, unsent
+        self.taken: str | None = None  # the token of the kept writes it sends (`take_unsent`)
         self.failure: BaseException | None = None
         self._queue: collections.deque[tuple[str, Callable[[], Any]]] = collections.deque()
         self._changed = threading.Condition()
@@ -312,7 +366,7 @@ class Writer:
         if self.unsent is None or not isinstance(error, ServerGoneError):
             return error
         try:
-            kept = keep_unsent(self.unsent, list(self._queue))
+            kept = keep_unsent(self.unsent, list(self._queue), self.taken)
         except OSError as failure:
             log.warning("Could not keep the run's unsent writes in %s: %s", self.unsent, failure)
             return error

@@ -110,18 +110,21 @@ class Tracker:
     ) -> None:
         """Continue run `run_id` (RUNNING again, in this process: `life.resume_run`): its
         metrics go on at the next epoch's step. Writes a server gone too long did not take,
-        kept beside its `checkpoints` (`outage.UNSENT`), are sent first, in their order."""
+        kept beside its `checkpoints` (`outage.UNSENT`), are sent first, in their order; the
+        file goes once they all are (a process killed meanwhile resends the rest)."""
         if not self.enabled:
             return
         self.run_id = run_id
         life.resume_run(self._client, run_id)
         self._start_writer(output_dir / "checkpoints")
         if checkpoints is not None:
-            unsent = take_unsent(checkpoints / UNSENT, self._client)
+            token, unsent = take_unsent(checkpoints / UNSENT, self._client)
+            if self._writer is not None:
+                self._writer.taken = token
             for what, write in unsent:
                 self._write(what, write)
             if unsent:
-                log.info("Sent the %d write(s) kept in %s first", len(unsent), checkpoints / UNSENT)
+                log.info("Sending first the writes kept in %s", checkpoints / UNSENT)
         self.set_tags(
             {record.RESUMED_AFTER_EPOCH: str(epoch), record.OUTPUT_DIR: str(output_dir.resolve())}
         )
