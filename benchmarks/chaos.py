@@ -79,7 +79,12 @@ STRATEGIES = {
     "horovod": ("parallelism=horovod", "parallelism.nprocs=2"),
     "fsdp": ("parallelism=fsdp", "parallelism.nprocs=2"),
     "hybrid": ("parallelism=hybrid", "parallelism.nprocs=2"),
-}
+    # 2 pipelines of 2 ranks, each stage sharded over the two (FSDP2): 4 workers on 2 cores
+    "pipeline": (
+        "parallelism=pipeline", "parallelism.nprocs=4", "parallelism.pp=2",
+        "parallelism.dp_shard=true", "parallelism.oversubscribe=true",
+    ),
+}  # fmt: skip
 HANG_S = 240.0  # a job still running after this is stuck: killed and counted as a hang
 SETTLE_S = 30.0  # a job's processes still alive this long after it ended are orphans
 TAG = "ACCELEXP_CHAOS"  # in the environment of every process a job starts: <bench>/<job>
@@ -851,9 +856,14 @@ def plan(bench: Bench, quick: bool, untouched_jobs: int, disk: SmallDisk) -> lis
         sigkill_run_py(bench, "fsdp-kill-run.py", local, "fsdp", 6,
                        untouched(bench, "fsdp-kill-run.py", local, "fsdp", 6))  # fmt: skip
 
+    def pipeline_stop_resume() -> None:  # a schedule's sends in flight; its stages' shards
+        stop_and_resume(bench, "pipeline-stop-resume", local, "pipeline", 8,
+                        untouched(bench, "pipeline-stop-resume", local, "pipeline", 8))  # fmt: skip
+
     return [
         ddp_stop_resume,
         fsdp_kill_resume,
+        pipeline_stop_resume,
         lambda: untouched_sweep(bench, "single-sweep", local, seeds),
         lambda: truncated_checkpoint(bench, "single-cut", local, 2, twin(2)),
         lambda: kill_a_worker(bench, "horovod-kill-worker", server, "horovod", signal.SIGKILL),
