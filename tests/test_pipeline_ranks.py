@@ -6,7 +6,8 @@ schedule the installed torch has, as 2 pipelines of 2 ranks (`parallelism.pp=2`:
 pp x dp, each stage's gradients averaged over dp; 1f1b once more with each stage sharded over
 dp, `parallelism.dp_shard`), step it through the loop's step
 (`accelexp.step.train_step`), each pipeline on its half of a batch, and, in the same processes, a
-single-process reference from the same initial weights on the whole batch. Each rank reports
+single-process reference from the same initial weights on the whole batch; and 1F1B in fp16
+with a GradScaler whose skipped steps every rank must share (`_fp16_scaled`). Each rank reports
 what it saw; the tests read the report. The end-to-end path (run.py's
 launcher, MLflow, best.pt) is `test_contract.py`'s `vit-pipeline-1f1b` case; bad input is refused
 before any worker starts (`test_refused_before_any_worker`).
@@ -26,6 +27,8 @@ from conftest import EXACT, compose_config
 
 HERE = Path(__file__).resolve()
 STEPS = 3
+FP16 = "1f1b+fp16"  # `_fp16_scaled`'s report
+FP16_SCALE = 2.0**8  # no step overflows at it: only the inf made at step 2
 BATCH = 16  # per pipeline: the reference trains on REPLICAS * BATCH
 MICROBATCHES = 4
 PP, REPLICAS = 2, 2
@@ -177,8 +180,78 @@ def _stepped_in_this_worker(out: Path) -> None:
         }
     for source in ("gpipe", "1f1b+dp_shard"):
         report[f"pp4-from-{source}"] = _resharded(out, source, cfg.model, rank)
+    report[FP16] = _fp16_scaled(cfg.model)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
+
+
+def _fp16_scaled(model_cfg) -> dict:
+    """In the same workers: 1F1B over 2 pipelines of 2 ranks in fp16 autocast with a GradScaler
+    (on the CPU: torch's own fp16 autocast and GradScaler("cpu"), what `precision=amp` is on
+    CUDA), against one process with the same scaler. At step 2 one gradient of stage 0 on rank
+    0 alone is made inf (and the same one of the reference's): every rank must skip that step and
+    halve its scale, as the one process does, though the ranks of stage 1 see no inf."""
+    import torch
+    import torch.distributed as dist
+
+    from accelexp.config import typed
+    from accelexp.models import build_model
+    from accelexp.parallel import build_strategy
+    from accelexp.parallel.base import Strategy
+    from accelexp.parallel.config import ParallelismConfig
+    from accelexp.precision.runtime import Precision
+    from accelexp.step import train_step
+
+    def fp16_on_cpu() -> Precision:
+        precision = Precision("amp", torch.device("cpu"), init_scale=FP16_SCALE)
+        precision.compute_dtype = precision.autocast_dtype = torch.float16
+        precision.scaler = torch.amp.GradScaler("cpu", init_scale=FP16_SCALE)
+        return precision
+
+    cfg = typed(
+        compose_config(
+            "sqlite:///unused.db", *EXACT, "parallelism=pipeline", f"parallelism.nprocs={RANKS}",
+            f"parallelism.pp={PP}", f"parallelism.microbatches={MICROBATCHES}",
+            f"data.batch_size={BATCH}",
+        )
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(model_cfg, 3, 10, cfg.data.image_size)
+    reference = copy.deepcopy(model)
+    single, strategy = Strategy(ParallelismConfig()), build_strategy(cfg)
+    strategy.setup()
+    single.__dict__["precision"], strategy.__dict__["precision"] = fp16_on_cpu(), fp16_on_cpu()
+    first = next(iter(reference.state_dict()))  # stage 0's first weight
+    placed = strategy.wrap_model(model)
+    mine = dict(placed.named_parameters())
+    whole_name = {v: k for k, v in strategy.placement.names.items()}.get(first)
+    step = [0]
+
+    def inf_at_step_2(grad: torch.Tensor) -> torch.Tensor:
+        return grad * float("inf") if step[0] == 1 else grad
+
+    if dist.get_rank() == 0:
+        mine[whole_name].register_hook(inf_at_step_2)
+    dict(reference.named_parameters())[first].register_hook(inf_at_step_2)
+    optimizer = torch.optim.SGD(placed.parameters(), lr=0.1)
+    expected_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    replica = strategy.shape.replica
+    rows = slice(replica * BATCH, (replica + 1) * BATCH)
+    generator = torch.Generator().manual_seed(1)
+    scales, expected_scales = [], []
+    for step[0] in range(STEPS):
+        images = torch.randn(REPLICAS * BATCH, 3, 16, 16, generator=generator)
+        labels = torch.randint(0, 10, (REPLICAS * BATCH,), generator=generator)
+        train_step(placed, images[rows], labels[rows], optimizer, strategy)
+        train_step(reference, images, labels, expected_optimizer, single)
+        scales.append(strategy.precision.grad_scale())
+        expected_scales.append(single.precision.grad_scale())
+    whole = strategy.model_state_dict(placed)
+    expected = reference.state_dict()
+    apart = (
+        None if whole is None else max((whole[k] - expected[k]).abs().max().item() for k in whole)
+    )
+    return {"scales": scales, "expected_scales": expected_scales, "params_apart": apart}
 
 
 def _resharded(out: Path, source: str, model_cfg, rank: int) -> dict:
@@ -445,3 +518,15 @@ def test_the_report_compares_a_pipeline_only_with_the_same_schedule_and_micro_ba
 
 if __name__ == "__main__":
     _stepped_in_this_worker(Path(sys.argv[1]))
+
+
+@pytest.mark.slow
+def test_fp16_loss_scaling_skips_a_step_on_every_rank_when_one_rank_overflows(stepped):
+    """fp16 with a GradScaler over 2 pipelines of 2 ranks: an inf in one gradient of rank 0
+    (stage 0) at step 2 makes every rank skip that step and halve its scale (the scaler's inf
+    check summed over the world: `Precision.agree_on_overflow`), as one process does; the
+    whole model then ends as the one process's, to fp16's rounding."""
+    seen = [stepped[rank][FP16] for rank in range(RANKS)]
+    halved = [FP16_SCALE, FP16_SCALE / 2, FP16_SCALE / 2]
+    assert all(mine["scales"] == mine["expected_scales"] == halved for mine in seen), seen
+    assert seen[0]["params_apart"] < 1e-3, seen[0]

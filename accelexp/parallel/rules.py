@@ -264,15 +264,6 @@ def _backend_resource_problems(cfg: DictConfig, gpus: int) -> list[str]:
     return []
 
 
-def _p2p_resource_problems(cfg: DictConfig, gpus: int) -> list[str]:
-    if cfg.precision.name == "amp" and gpus:
-        return [
-            "  precision=amp on CUDA scales fp16 losses with a GradScaler, whose skipped steps "
-            "each stage of parallelism=pipeline would decide alone: use precision=bf16."
-        ]
-    return []
-
-
 def _fsdp_resource_problems(cfg: DictConfig, gpus: int) -> list[str]:
     if cfg.parallelism.get("cpu_offload") and not gpus:
         return [
@@ -289,7 +280,6 @@ PLACEMENT_PROBLEMS: dict[str, Callable[[DictConfig], list[str]]] = {
 SYNC_PROBLEMS: dict[str, Callable[[DictConfig], list[str]]] = {"fsdp": _fsdp_problems}
 SYNC_RESOURCE_PROBLEMS: dict[str, Callable[[DictConfig, int], list[str]]] = {
     "fsdp": _fsdp_resource_problems,
-    "p2p": _p2p_resource_problems,
 }
 
 

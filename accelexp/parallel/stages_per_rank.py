@@ -143,6 +143,7 @@ class StageLinks(TorchDistributed):
         the step's last). Gathered parameters stay to the backward (`reshard_after_forward`
         false, torchtitan's choice under pp: else each micro-batch gathers them twice); the
         step's end frees them. Without replicas (`parallelism.pp` = nprocs) nothing to shard."""
+        precision.agree_on_overflow()  # fp16's GradScaler: every stage skips the same steps
         if self.cfg.dp_shard and model.dp_mesh is not None:
             from accelexp.parallel.fsdp import shard_units
 
@@ -555,8 +556,15 @@ class RankStages(Placement):
         self.pipeline = pipeline
         return pipeline
 
-    def _build_schedule(self) -> None:
+    def _build_schedule(self, precision: Precision) -> None:
+        """The schedule over this rank's stages; its loss is `_loss`, scaled by the run's
+        GradScaler under fp16 (`Precision.agree_on_overflow`: every rank skips the same
+        steps)."""
         from torch.distributed.pipelining import PipelineStage
+
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            loss = _loss(logits, labels)
+            return precision.scaler.scale(loss) if precision.scaler else loss
 
         pipeline, device = self.pipeline, self.devices[0]
         stages = [
@@ -567,7 +575,7 @@ class RankStages(Placement):
         multi = self.per_rank > 1
         try:
             self.schedule = self.schedule_class(
-                stages if multi else stages[0], self.cfg.microbatches, loss_fn=_loss
+                stages if multi else stages[0], self.cfg.microbatches, loss_fn=loss_fn
             )
         except (ValueError, AssertionError) as error:
             raise ConfigError(
@@ -622,13 +630,8 @@ class RankStages(Placement):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The schedule's step: every micro-batch's forward and backward pass in its order."""
         precision = strategy.precision
-        if precision.scaler is not None:
-            raise ConfigError(
-                "precision=amp on CUDA scales fp16 losses with a GradScaler, whose skipped "
-                "steps each stage of parallelism=pipeline would decide alone: use precision=bf16."
-            )
         if self.schedule is None:
-            self._build_schedule()
+            self._build_schedule(precision)
         pipeline = self.pipeline
         clock.mark(FORWARD)  # the schedule runs both passes: the step clock times them as one
         first, last = 0 in pipeline.indices, pipeline.stages - 1 in pipeline.indices
@@ -641,6 +644,8 @@ class RankStages(Placement):
         figures = None
         if last:  # the loss and the logits, in one message to the other ranks
             loss = torch.stack([loss.detach() for loss in losses]).mean()
+            if precision.scaler is not None:  # the losses the schedule saw were scaled
+                loss = loss / precision.scaler.get_scale()
             figures = torch.cat([loss.view(1), logits.detach().float().flatten()])
         figures = pipeline.share(figures)
         if not pipeline.sharded:  # FSDP2 reduce-scattered them at the schedule's last backward

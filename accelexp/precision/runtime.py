@@ -109,6 +109,7 @@ class Precision:
         # what autocast computes in: None, no autocast (fp32, and bf16_true: already bf16)
         self.autocast_dtype = None if name == Name.BF16_TRUE else self.compute_dtype
         self.scaler: torch.amp.GradScaler | None = None
+        self._scaler_keys = {"init_scale": init_scale, "growth_interval": growth_interval}
         if self.autocast_dtype is torch.float16:
             self.scaler = torch.amp.GradScaler(
                 device.type, init_scale=init_scale, growth_interval=growth_interval
@@ -216,6 +217,19 @@ class Precision:
             self.scaler.update()
         else:
             optimizer.step()
+
+    def agree_on_overflow(self, group=None) -> None:
+        """Ranks that each hold a part of the model (a pipeline's stages, `stages_per_rank`)
+        decide together whether a step overflowed: the GradScaler becomes FSDP's
+        `ShardedGradScaler` (the same settings), whose inf check is summed over `group` (None:
+        the world) in `unscale_`, so every rank skips the same steps and keeps the same scale.
+        Each rank's scale is made now: the ranks that compute no loss never `scale` one."""
+        if self.scaler is None:
+            return
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        self.scaler = ShardedGradScaler(self.device_type, process_group=group, **self._scaler_keys)
+        self.scaler.scale(torch.zeros((), device=self.device_type))
 
     def grad_scale(self) -> float | None:
         return self.scaler.get_scale() if self.scaler else None
