@@ -186,16 +186,17 @@ def _stepped_in_this_worker(out: Path) -> None:
 
 
 def _fp16_scaled(model_cfg) -> dict:
-    """In the same workers: 1F1B over 2 pipelines of 2 ranks in fp16 autocast with a GradScaler
-    (on the CPU: torch's own fp16 autocast and GradScaler("cpu"), what `precision=amp` is on
-    CUDA), against one process with the same scaler. At step 2 one gradient of stage 0 on rank
-    0 alone is made inf (and the same one of the reference's): every rank must skip that step and
-    halve its scale, as the one process does, though the ranks of stage 1 see no inf."""
+    """In the same workers: 1F1B over 2 pipelines of 2 ranks, each stage sharded over the two
+    (`dp_shard`), in fp16 autocast with a GradScaler (on the CPU: torch's own fp16 autocast and
+    GradScaler("cpu"), what `precision=amp` is on CUDA), against one process with the same
+    scaler. At step 2 the first layer's gradients on rank 0 alone are made inf (and the
+    reference's): every rank must skip that step and halve its scale, as the one process does,
+    though the ranks of stage 1 see no inf."""
     import torch
     import torch.distributed as dist
 
     from accelexp.config import typed
-    from accelexp.models import build_model
+    from accelexp.models import build_model, layer_sequence
     from accelexp.parallel import build_strategy
     from accelexp.parallel.base import Strategy
     from accelexp.parallel.config import ParallelismConfig
@@ -212,7 +213,7 @@ def _fp16_scaled(model_cfg) -> dict:
         compose_config(
             "sqlite:///unused.db", *EXACT, "parallelism=pipeline", f"parallelism.nprocs={RANKS}",
             f"parallelism.pp={PP}", f"parallelism.microbatches={MICROBATCHES}",
-            f"data.batch_size={BATCH}",
+            f"data.batch_size={BATCH}", "parallelism.dp_shard=true",
         )
     )  # fmt: skip
     torch.manual_seed(0)
@@ -221,18 +222,18 @@ def _fp16_scaled(model_cfg) -> dict:
     single, strategy = Strategy(ParallelismConfig()), build_strategy(cfg)
     strategy.setup()
     single.__dict__["precision"], strategy.__dict__["precision"] = fp16_on_cpu(), fp16_on_cpu()
-    first = next(iter(reference.state_dict()))  # stage 0's first weight
     placed = strategy.wrap_model(model)
-    mine = dict(placed.named_parameters())
-    whole_name = {v: k for k, v in strategy.placement.names.items()}.get(first)
     step = [0]
 
-    def inf_at_step_2(grad: torch.Tensor) -> torch.Tensor:
-        return grad * float("inf") if step[0] == 1 else grad
+    def inf_at_step_2(module, args, output: torch.Tensor) -> None:
+        """The gradient of the first layer's output made inf at step 2 (so its weights'),
+        whether the weights are sharded (FSDP computes with gathered copies) or not."""
+        if step[0] == 1:
+            output.register_hook(lambda grad: grad * float("inf"))
 
-    if dist.get_rank() == 0:
-        mine[whole_name].register_hook(inf_at_step_2)
-    dict(reference.named_parameters())[first].register_hook(inf_at_step_2)
+    if dist.get_rank() == 0:  # stage 0 of pipeline 0
+        placed.parts[0][0].register_forward_hook(inf_at_step_2)
+    layer_sequence(reference)[0][1].register_forward_hook(inf_at_step_2)
     optimizer = torch.optim.SGD(placed.parameters(), lr=0.1)
     expected_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     replica = strategy.shape.replica
@@ -522,10 +523,10 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_fp16_loss_scaling_skips_a_step_on_every_rank_when_one_rank_overflows(stepped):
-    """fp16 with a GradScaler over 2 pipelines of 2 ranks: an inf in one gradient of rank 0
-    (stage 0) at step 2 makes every rank skip that step and halve its scale (the scaler's inf
-    check summed over the world: `Precision.agree_on_overflow`), as one process does; the
-    whole model then ends as the one process's, to fp16's rounding."""
+    """fp16 with a GradScaler over 2 pipelines of 2 ranks, stages sharded: an inf in the
+    gradients of rank 0 (stage 0) at step 2 makes every rank skip that step and halve its
+    scale (the scaler's inf check summed over the world: `Precision.agree_on_overflow`), as one
+    process does; the whole model then ends as the one process's, to fp16's rounding."""
     seen = [stepped[rank][FP16] for rank in range(RANKS)]
     halved = [FP16_SCALE, FP16_SCALE / 2, FP16_SCALE / 2]
     assert all(mine["scales"] == mine["expected_scales"] == halved for mine in seen), seen
