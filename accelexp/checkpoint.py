@@ -569,18 +569,20 @@ def check_same_training(
     before = flatten(training_config(saved), empty=False)
     now = flatten(training_config(current), empty=False)
     differ = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
+    moved = []
     if sharded and any(k in differ for k in WORLD_SHAPE):
         moved = [k for k in differ if k in WORLD_KEYS]
-        log.info(
-            "Resuming on another world: %s",
-            ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in moved),
-        )
         differ = [k for k in differ if k not in WORLD_KEYS]
     if differ:
         shown = ", ".join(f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in differ[:6])
         raise ConfigError(
             f"The checkpoint {path} is of another configuration ({shown}). Resume with the "
             f"config of the run it continues, or start a new run without resume."
+        )
+    if moved:  # said once the resume is sure to go on
+        log.info(
+            "Resuming on another world: %s",
+            ", ".join(f"{k} {before.get(k)!r} -> {now.get(k)!r}" for k in moved),
         )
 
 

@@ -233,10 +233,13 @@ def test_a_resumed_run_may_differ_in_what_cannot_change_its_numbers(compose_cfg,
     assert config_id(resolved(compose_cfg("seed=7"))) == config_id(base)
 
 
-def test_a_sharded_checkpoint_resumes_on_a_world_of_another_shape_only(compose_cfg, tmp_path):
+def test_a_sharded_checkpoint_resumes_on_a_world_of_another_shape_only(
+    compose_cfg, tmp_path, caplog
+):
     """DCP reshards: 4 workers in 2 pipelines may go on as one pipeline of 4 (`pp`), or on 2
     workers with the global batch split otherwise; a gathered checkpoint may not, and a batch
-    split otherwise on the same world is another training."""
+    split otherwise on the same world is another training. A resume refused for another key
+    never said it was resuming on another world."""
     pipelines = ("parallelism=pipeline", "parallelism.nprocs=4", "data.batch_size=16")
     saved = resolved(compose_cfg(*pipelines, "parallelism.pp=2"))
     last = tmp_path / "last.pt"
@@ -248,6 +251,11 @@ def test_a_sharded_checkpoint_resumes_on_a_world_of_another_shape_only(compose_c
     resplit = resolved(compose_cfg(*pipelines, "parallelism.pp=2", "data.batch_size=8"))
     with pytest.raises(ConfigError, match=r"data\.batch_size: 16 -> 8"):
         check_same_training(saved, resplit, last, sharded=True)
+    longer = resolved(compose_cfg(*pipelines, "parallelism.pp=4", "epochs=3"))
+    caplog.clear()
+    with caplog.at_level("INFO"), pytest.raises(ConfigError, match="epochs: 1 -> 3"):
+        check_same_training(saved, longer, last, sharded=True)
+    assert "another world" not in caplog.text
 
 
 def test_the_report_compares_runs_in_what_can_change_their_speed_only():
