@@ -62,14 +62,16 @@ def test_the_phases_add_up_to_the_wall_time_and_waits_move_into_comm():
         clock.mark(BACKWARD)
     comm = CommTime()
     comm.wait("backward", 0.05)
+    backward = clock.seconds[BACKWARD]  # as marked: a loaded machine oversleeps (0.086 s seen)
     breakdown = clock.stop(comm)
     wall = time.perf_counter() - start
     # every slept second is in a phase, none twice (a tolerance against the outer clock read
     # 0.1819 against 0.1857 s on a loaded machine: the statements around the clock take time)
     assert 3 * (0.01 + 0.02 + 0.03) <= breakdown.wall <= wall
-    assert breakdown.input >= 0.03 and breakdown.forward >= 0.06
+    assert breakdown.input >= 0.03 and breakdown.forward >= 0.06 and backward >= 0.09
+    # the wait moves out of the backward phase into comm, whole
     assert breakdown.comm == pytest.approx(0.05)
-    assert breakdown.backward == pytest.approx(0.09 - 0.05, abs=0.02)
+    assert breakdown.backward == pytest.approx(backward - 0.05)
     assert Breakdown.from_tensor(breakdown.to_tensor(torch.device("cpu"))) == breakdown
 
 
