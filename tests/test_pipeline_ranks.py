@@ -23,11 +23,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import EXACT, compose_config
+from conftest import EXACT, compose_config, new_store, store_uri
 
 HERE = Path(__file__).resolve()
 STEPS = 3
 FP16 = "1f1b+fp16"  # `_fp16_scaled`'s report
+RESUMED_EPOCHS = 2  # `_trained_then_resumed_sharded`'s: resumed after the first
 FP16_SCALE = 2.0**8  # no step overflows at it: only the inf made at step 2
 BATCH = 16  # per pipeline: the reference trains on REPLICAS * BATCH
 MICROBATCHES = 4
@@ -181,6 +182,7 @@ def _stepped_in_this_worker(out: Path) -> None:
     for source in ("gpipe", "1f1b+dp_shard"):
         report[f"pp4-from-{source}"] = _resharded(out, source, cfg.model, rank)
     report[FP16] = _fp16_scaled(cfg.model)
+    _trained_then_resumed_sharded(out)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
@@ -255,6 +257,25 @@ def _fp16_scaled(model_cfg) -> dict:
     return {"scales": scales, "expected_scales": expected_scales, "params_apart": apart}
 
 
+def _trained_then_resumed_sharded(out: Path) -> None:
+    """In the same workers, the loop's whole run (`train.run`, what each worker of run.py's
+    launch runs, tracked by rank 0 into the fixture's store): one pipeline of 4 ranks trains 2
+    epochs on batches of 64, then its epoch-1 checkpoint is resumed as 2 pipelines of 2 ranks
+    with each stage sharded over the two (`dp_shard`), on batches of 32 each: the pipeline's
+    depth, its replicas and its sharding changed at once (DCP reshards)."""
+    from accelexp.train import run
+
+    uri = store_uri(out / "store")
+    base = (
+        *(o for o in EXACT if not o.startswith("epochs=")), "parallelism=pipeline",
+        f"parallelism.nprocs={RANKS}", f"epochs={RESUMED_EPOCHS}", "max_steps_per_epoch=2",
+    )  # fmt: skip
+    run(compose_config(uri, *base, "data.batch_size=64"), out / "one")
+    previous = out / "one" / "checkpoints" / "previous.pt"  # epoch 1's
+    sharded = (f"parallelism.pp={PP}", "parallelism.dp_shard=true", "data.batch_size=32")
+    run(compose_config(uri, *base, *sharded, f"resume={previous}"), out / "sharded")
+
+
 def _resharded(out: Path, source: str, model_cfg, rank: int) -> dict:
     """In the same workers: `source`'s checkpoint (2 stages x 2 replicas) read by one pipeline
     of 4 stages (`parallelism.pp=4`), unsharded; each rank keeps what it read, by the whole
@@ -285,10 +306,12 @@ def _resharded(out: Path, source: str, model_cfg, rank: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory) -> Path:
+def harness(tmp_path_factory, mlflow_template_db) -> Path:
     """The harness's folder, once it ran (one torchrun launch of this file, 4 workers): each
-    rank's report, each schedule's checkpoint."""
+    rank's report, each schedule's checkpoint, and the MLflow store (`store/`) and folders of
+    the run resumed on sharded pipelines."""
     out = tmp_path_factory.mktemp("pipeline-ranks")
+    new_store(out / "store", mlflow_template_db)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parents[1])}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
@@ -531,3 +554,26 @@ def test_fp16_loss_scaling_skips_a_step_on_every_rank_when_one_rank_overflows(st
     halved = [FP16_SCALE, FP16_SCALE / 2, FP16_SCALE / 2]
     assert all(mine["scales"] == mine["expected_scales"] == halved for mine in seen), seen
     assert seen[0]["params_apart"] < 1e-3, seen[0]
+
+
+@pytest.mark.slow
+def test_a_pipeline_run_resumes_on_sharded_pipelines_of_another_depth(harness):
+    """One pipeline of 4 ranks, resumed after epoch 1 as 2 pipelines of 2 ranks with each stage
+    sharded over them (the batch split in two): the same MLflow run goes on to FINISHED, and
+    ends with the weights and momenta the uninterrupted run ended with."""
+    import torch
+    from mlflow import MlflowClient
+
+    from accelexp.checkpoint import read_whole
+
+    client = MlflowClient(store_uri(harness / "store"))
+    (run,) = client.search_runs([client.get_experiment_by_name("accelexp").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["resumed_after_epoch"] == "1"
+    one, sharded = (read_whole(harness / f / "checkpoints" / "last.pt") for f in ("one", "sharded"))
+    assert one["progress"]["epoch"] == sharded["progress"]["epoch"] == RESUMED_EPOCHS
+    for part in ("model", "optimizer"):  # the optimizer's flattened by parameter
+        assert sharded[part].keys() == one[part].keys(), part
+        for name, value in one[part].items():
+            if torch.is_tensor(value):
+                torch.testing.assert_close(sharded[part][name], value, rtol=1e-4, atol=1e-5)

@@ -8,9 +8,8 @@ is a plain state dict, the single process's; a signal stopping every worker is
 tests/test_signals.py's; `resume=auto` finding the killed run, the single-process case's). FSDP's
 shards resume on another number of workers: 1 -> 2 ends as the uninterrupted run (the batch split
 in two), 2 -> 1 loads them exactly (and a checkpoint gathered into one file, as before shards)
-and trains on. A pipeline's (`parallelism=pipeline`) resumes on 4 workers as two pipelines with
-each stage sharded over them (`parallelism.dp_shard`), ending as the uninterrupted run. Also: the
-refusals of `resume`, and a reused run folder that never adopts another run. (A joined world
+and trains on (a pipeline's on another depth and sharding: tests/test_pipeline_ranks.py). Also:
+the refusals of `resume`, and a reused run folder that never adopts another run. (A joined world
 whose ranks run in different folders, no shared filesystem: tests/test_parallel.py.)
 """
 
@@ -343,44 +342,3 @@ def test_an_fsdp_checkpoint_of_two_workers_resumes_on_one(tmp_path, compose_cfg,
     assert resumed.data.tags["resumed_after_epoch"] == "1"
     assert resumed.data.tags["resumed_world_size"] == "1"
     assert final_state(tmp_path / "one")["progress"]["epoch"] == EPOCHS
-
-
-# one pipeline of 2 ranks with batch 64 trains what 2 pipelines of 2 ranks with batch 32 train
-# (each stage's gradients averaged over the two, or reduce-scattered to their shards:
-# tests/test_pipeline_ranks.py), so its run resumed on that other world ends where it ends
-ONE_PIPELINE = (
-    *(o for o in EXACT if not o.startswith("epochs=")),
-    "parallelism=pipeline",
-    "parallelism.nprocs=2",
-    "parallelism.oversubscribe=true",  # 4 workers on a machine of 2 cores, below
-    "data.batch_size=64",
-    f"epochs={EPOCHS}",
-    "max_steps_per_epoch=2",
-)
-
-
-@pytest.mark.slow
-def test_a_pipeline_checkpoint_resumes_on_sharded_pipelines(tmp_path, tracking_uri):
-    """Epoch 1's checkpoint of one pipeline of 2 ranks (its stages' shards, by the whole
-    model's names), resumed by run.py's launch on 4 workers as 2 pipelines of 2 ranks, each
-    stage sharded over the two (`parallelism.dp_shard`, FSDP2): each rank reads its shard of its
-    stage, and the run ends as the uninterrupted one, in the same MLflow run."""
-    launch(compose_config(tracking_uri, *ONE_PIPELINE), tmp_path / "one")
-    uninterrupted = the_run(tracking_uri)
-    previous = tmp_path / "one" / "checkpoints" / "previous.pt"  # epoch 1's
-    sharded = ("parallelism.nprocs=4", "parallelism.pp=2", "parallelism.dp_shard=true")
-    split = (*sharded, "data.batch_size=32", f"resume={previous}")
-    launch(compose_config(tracking_uri, *ONE_PIPELINE, *split), tmp_path / "four")
-    resumed = the_run(tracking_uri)
-    assert resumed.info.run_id == uninterrupted.info.run_id
-    assert resumed.info.status == "FINISHED"
-    assert resumed.data.tags["resumed_after_epoch"] == "1"
-    assert resumed.data.tags["resumed_world_size"] == "4"
-    four, one = final_state(tmp_path / "four"), final_state(tmp_path / "one")
-    # every rank wrote its shard (+ .metadata); one pipeline's ranks wrote a stage each
-    assert len(four["shards"]["files"]) == 5 and len(one["shards"]["files"]) == 3
-    for part in ("model", "optimizer"):  # the optimizer's flattened by parameter
-        assert four[part].keys() == one[part].keys(), part
-        for name, value in one[part].items():
-            if torch.is_tensor(value):
-                torch.testing.assert_close(four[part][name], value, rtol=1e-4, atol=1e-5)
