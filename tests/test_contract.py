@@ -8,7 +8,8 @@ One parametrized suite over every strategy, against references trained once per 
 - **accumulation = the larger batch**: 2 workers x 2 micro-batches of 16, the same (for DDP and
   Horovod this is their N-workers case too: the second micro-batch's backward is a plain synced
   one, DDP's outside `no_sync`, Horovod's the allreduce its `backward_passes_per_step` delayed;
-  both run compiled, below; FSDP's block units run eager on a ViT and compiled on an MLP);
+  both run compiled, below; FSDP's accumulates as one unit, `granularity=model`, of an MLP
+  whose layers are compiled; its block units run eager on a ViT);
 - **split = unsplit**: a model cut into stages (`parallelism=model`, any chunks or split points,
   any optimizer and precision) trains as the whole model on one device does; so does a pipeline
   across 2 ranks (`parallelism=pipeline`, 1F1B, 4 micro-batches, a tiny ViT: README's command,
@@ -121,7 +122,7 @@ def _pipeline(run: Run) -> None:
 
 
 def _compiled_fsdp(run: Run) -> None:
-    _fsdp_units(3, "mlp-fsdp-np2-fp32-compile:default")(run)  # granularity=block: 2 linears, root
+    _fsdp_units(1, "mlp-fsdp-np2-fp32-compile:default")(run)  # granularity=model: the root
     assert run.data.params["fsdp_compiled_layers"] == "2"  # the MLP's 2 linears
     assert run.data.metrics["compile_s"] > 0  # the warm-up that compiles, timed apart
 
@@ -177,11 +178,6 @@ CASES = [
     ),
     # accumulation = the larger batch (no sync on the first micro-batch; DDP's and Horovod's
     # run compiled, under switch = eager)
-    Case(
-        "fsdp-model-accumulate",
-        ("parallelism=fsdp", "parallelism.granularity=model", *ACCUMULATING),
-        check=_fsdp_units(1),
-    ),
     Case(
         "hybrid-horovod-accumulate",
         ("parallelism=hybrid", "parallelism.sync=horovod", "parallelism.chunks=4", *ACCUMULATING),
@@ -248,8 +244,14 @@ CASES = [
     ),
     # switch = eager
     Case(
-        "fsdp-compile",
-        (*TINY_MLP, "parallelism=fsdp", *TWO_WORKERS, "speed.compile=default"),
+        "fsdp-compile-model-accumulate",  # one FSDP unit (granularity=model), its layers compiled
+        (
+            *TINY_MLP,
+            "parallelism=fsdp",
+            "parallelism.granularity=model",
+            *ACCUMULATING,
+            "speed.compile=default",
+        ),
         (*TINY_MLP, *ONE_PROCESS),
         check=_compiled_fsdp,
     ),
