@@ -115,13 +115,6 @@ def forecast(cfg: DictConfig, batch: int | None = None) -> Forecast:
     strategy = build_strategy(parts)
     sync, shards = strategy.sync, strategy.sync.shards
     per_rank = strategy.placement.stages_across_ranks
-    if per_rank and getattr(parts.parallelism, "dp_shard", False):
-        raise ConfigError(
-            "the memory forecast does not model a pipeline's stages sharded over its replicas "
-            "(parallelism.dp_shard=true): forecast the run with parallelism.dp_shard=false, "
-            "whose parameters, gradients and optimizer state are each replica's whole, an "
-            "upper bound; the run itself logs each rank's peak (stage<r>_peak_mem_mb)."
-        )
     if not shards and not per_rank:  # replicas: a worker holds what one process holds, and
         strategy.sync = Sync(parts.parallelism)  # what its sync adds
     world_size = parts.parallelism.nprocs

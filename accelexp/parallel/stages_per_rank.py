@@ -587,9 +587,18 @@ class RankStages(Placement):
     def pipeline_plan(self, model: nn.Module) -> PipelinePlan:
         """`model` (the whole, on the forecast's fake tensors) cut as `place` cuts it, and each
         pipeline rank's actions in the order of torch's schedule (built in this process's
-        world, the forecast's fake one, on stand-in stages: only its order is read)."""
+        world, the forecast's fake one, on stand-in stages: only its order is read). Stages
+        sharded over the replicas (`dp_shard`) are not modelled: refused."""
         from torch.distributed.pipelining import PipelineStage
 
+        if self.cfg.dp_shard:
+            raise ConfigError(
+                "the memory forecast does not model a pipeline's stages sharded over its "
+                "replicas (parallelism.dp_shard=true): forecast the run with "
+                "parallelism.dp_shard=false, whose parameters, gradients and optimizer state are "
+                "each replica's whole, an upper bound; the run itself logs each rank's peak "
+                "(stage<r>_peak_mem_mb)."
+            )
         ranks, count = self.shape.ranks_per_replica, self.shape.ranks_per_replica * self.per_rank
         parts, _ = split_layers(model, count)
         micro = self.cfg.microbatches
